@@ -1,0 +1,187 @@
+// Sparse attention (stage 6) forward and backward, and the whole op, on the anchor shapes at 90% sparsity.
+// TFLOP/s count only the computed blocks: 4·B·H·S·(k·64)·D for the forward, 2.5× that for the backward,
+// S the padded token count, as the peers' figures do.
+#include "common.hpp"
+
+#include <algorithm>
+#include <map>
+#include <memory>
+#include <string>
+#include <numeric>
+
+namespace vsa {
+namespace bench {
+namespace {
+
+// Device copies of random q2k lists (k distinct key tiles per row, ascending) and the k2q lists built
+// from them by the CPU reference, so the sparse kernels can be timed apart from the selection.
+struct device_lists {
+  buffer q2k, count, k2q, offset;
+  index_lists view(int64_t k) const {
+    return {q2k.get<int32_t>(), count.get<int32_t>(), k, k2q.get<int32_t>(), offset.get<int32_t>()};
+  }
+};
+
+device_lists random_lists(const problem& p, int64_t k, uint64_t seed) {
+  const int64_t n = tile_geometry(p.grid).num_tiles(), rows = p.batch * p.q_heads * n;
+  std::vector<int32_t> q2k(rows * k), count(rows, static_cast<int32_t>(k)), k2q(rows * k),
+      offset(p.batch * p.q_heads * (n + 1));
+  std::mt19937_64 g(seed);
+  std::vector<int32_t> perm(n);
+  for (int64_t r = 0; r < rows; ++r) {
+    std::iota(perm.begin(), perm.end(), 0);
+    for (int64_t t = 0; t < k; ++t) std::swap(perm[t], perm[t + g() % (n - t)]);
+    std::sort(perm.begin(), perm.begin() + k);
+    std::copy(perm.begin(), perm.begin() + k, q2k.begin() + r * k);
+  }
+  check(reference::build_k2q(p, {q2k.data(), count.data(), k, k2q.data(), offset.data()}), "reference k2q");
+  device_lists d{buffer(q2k.size() * 4), buffer(count.size() * 4), buffer(k2q.size() * 4), buffer(offset.size() * 4)};
+  check(copy_to_device(d.q2k.get(), q2k.data(), q2k.size() * 4), "upload");
+  check(copy_to_device(d.count.get(), count.data(), count.size() * 4), "upload");
+  check(copy_to_device(d.k2q.get(), k2q.data(), k2q.size() * 4), "upload");
+  check(copy_to_device(d.offset.get(), offset.data(), offset.size() * 4), "upload");
+  return d;
+}
+
+double forward_flops(const problem& p, int64_t k) {
+  const double s = static_cast<double>(tile_geometry(p.grid).tiled_tokens());
+  return 4.0 * p.batch * p.q_heads * s * (k * 64.0) * p.head_dim;
+}
+
+struct inputs {
+  problem p;
+  int64_t k, tokens;
+  buffer q, kk, v, o, d_o, dq, dk, dv;
+  tensor view(const buffer& b, int64_t heads) const {
+    return bshd(b.get(), p.batch, tokens, heads, p.head_dim);
+  }
+  explicit inputs(const shape& s)
+      : p(anchor_problem(s)), k(resolve_top_k(tile_geometry(p.grid).num_tiles(), options{})),
+        tokens(tile_geometry(p.grid).tiled_tokens()) {
+    const int64_t n = p.batch * tokens * p.q_heads * p.head_dim;
+    q = random_elements(n, p.type, 1);
+    kk = random_elements(n, p.type, 2);
+    v = random_elements(n, p.type, 3);
+    d_o = random_elements(n, p.type, 4);
+    o = buffer(n * 2);
+    dq = buffer(n * 2);
+    dk = buffer(n * 2);
+    dv = buffer(n * 2);
+  }
+};
+
+// Inputs and lists are drawn once per shape and shared by every benchmark of that shape.
+inputs& inputs_of(const shape& s) {
+  static std::map<std::string, std::unique_ptr<inputs>> cache;
+  auto& slot = cache[s.name];
+  if (!slot) slot = std::make_unique<inputs>(s);
+  return *slot;
+}
+const device_lists& lists_of(const shape& s) {
+  static std::map<std::string, std::unique_ptr<device_lists>> cache;
+  auto& slot = cache[s.name];
+  if (!slot) {
+    const inputs& in = inputs_of(s);
+    slot = std::make_unique<device_lists>(random_lists(in.p, in.k, 7));
+  }
+  return *slot;
+}
+
+void sparse_forward(benchmark::State& state, const shape& s) {
+  inputs& in = inputs_of(s);
+  const device_lists& lists = lists_of(s);
+  buffer lse(in.p.batch * in.p.q_heads * in.tokens * 4);
+  const float scale = 1.f / std::sqrt(float(in.p.head_dim));
+  time_on_stream(state, nullptr, [&] {
+    check(sparse_attention_forward(in.p, scale, as_const(in.view(in.q, in.p.q_heads)),
+                                   as_const(in.view(in.kk, in.p.kv_heads)), as_const(in.view(in.v, in.p.kv_heads)),
+                                   as_const(lists.view(in.k)), in.view(in.o, in.p.q_heads), lse.get<float>(), nullptr),
+          "sparse forward");
+  });
+  state.counters["k"] = double(in.k);
+  state.counters["TFLOP/s"] = benchmark::Counter(forward_flops(in.p, in.k) * 1e-12,
+                                                 benchmark::Counter::kIsIterationInvariantRate);
+}
+
+void sparse_backward(benchmark::State& state, const shape& s) {
+  inputs& in = inputs_of(s);
+  const device_lists& lists = lists_of(s);
+  buffer lse(in.p.batch * in.p.q_heads * in.tokens * 4);
+  const float scale = 1.f / std::sqrt(float(in.p.head_dim));
+  const auto q = as_const(in.view(in.q, in.p.q_heads)), k = as_const(in.view(in.kk, in.p.kv_heads)),
+             v = as_const(in.view(in.v, in.p.kv_heads));
+  check(sparse_attention_forward(in.p, scale, q, k, v, as_const(lists.view(in.k)), in.view(in.o, in.p.q_heads),
+                                 lse.get<float>(), nullptr),
+        "sparse forward");
+  std::size_t bytes = 0;
+  check(sparse_attention_backward(in.p, scale, q, k, v, q, q, nullptr, {}, {}, {}, {}, nullptr, bytes, nullptr),
+        "workspace size");
+  buffer ws(bytes);
+  time_on_stream(state, nullptr, [&] {
+    check(sparse_attention_backward(in.p, scale, q, k, v, as_const(in.view(in.o, in.p.q_heads)),
+                                    as_const(in.view(in.d_o, in.p.q_heads)), lse.get<float>(),
+                                    as_const(lists.view(in.k)), in.view(in.dq, in.p.q_heads),
+                                    in.view(in.dk, in.p.kv_heads), in.view(in.dv, in.p.kv_heads), ws.get(), bytes,
+                                    nullptr),
+          "sparse backward");
+  });
+  state.counters["k"] = double(in.k);
+  state.counters["TFLOP/s"] = benchmark::Counter(2.5 * forward_flops(in.p, in.k) * 1e-12,
+                                                 benchmark::Counter::kIsIterationInvariantRate);
+}
+
+void op_forward_backward(benchmark::State& state, const shape& s, bool backward_pass) {
+  inputs& in = inputs_of(s);
+  const options opt{};
+  forward_io fio{as_const(in.view(in.q, in.p.q_heads)), as_const(in.view(in.kk, in.p.kv_heads)),
+                 as_const(in.view(in.v, in.p.kv_heads)), const_tensor{}, in.view(in.o, in.p.q_heads)};
+  std::size_t fbytes = 0, bbytes = 0;
+  check(forward(in.p, opt, fio, nullptr, fbytes, nullptr), "forward workspace size");
+  backward_io bio{fio.q, fio.k, fio.v, const_tensor{}, as_const(fio.o), as_const(in.view(in.d_o, in.p.q_heads)),
+                  in.view(in.dq, in.p.q_heads), in.view(in.dk, in.p.kv_heads), in.view(in.dv, in.p.kv_heads),
+                  tensor{}};
+  check(backward(in.p, opt, bio, nullptr, bbytes, nullptr), "backward workspace size");
+  buffer ws(std::max(fbytes, bbytes));
+  if (!backward_pass) {
+    time_on_stream(state, nullptr, [&] { check(forward(in.p, opt, fio, ws.get(), fbytes, nullptr), "op forward"); });
+  } else {
+    check(forward(in.p, opt, fio, ws.get(), fbytes, nullptr), "op forward");
+    time_on_stream(state, nullptr,
+                   [&] { check(backward(in.p, opt, bio, ws.get(), bbytes, nullptr), "op backward"); });
+  }
+  state.counters["k"] = double(in.k);
+}
+
+void copy_bandwidth(benchmark::State& state) {
+  const std::size_t bytes = std::size_t(2) << 30;
+  buffer a = random_elements(bytes / 2, dtype::bf16, 9), b(bytes);
+  time_on_stream(state, nullptr, [&] { check(copy_device(b.get(), a.get(), bytes, nullptr), "copy"); });
+  state.counters["GB/s"] =
+      benchmark::Counter(2.0 * bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate); // read + written
+}
+
+const bool registered = [] {
+  benchmark::RegisterBenchmark("copy_bandwidth", copy_bandwidth)->UseManualTime()->Unit(benchmark::kMillisecond);
+  for (const shape& s : anchors()) {
+    const std::string n = s.name;
+    benchmark::RegisterBenchmark(("sparse_forward/" + n).c_str(), sparse_forward, s)
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark(("sparse_backward/" + n).c_str(), sparse_backward, s)
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark(("op_forward/" + n).c_str(), op_forward_backward, s, false)
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark(("op_backward/" + n).c_str(), op_forward_backward, s, true)
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
+  }
+  return true;
+}();
+
+} // namespace
+} // namespace bench
+} // namespace vsa
+
+BENCHMARK_MAIN();

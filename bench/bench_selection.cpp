@@ -1,0 +1,203 @@
+// The memory-bound stages and the selection on the anchor shapes at 90% sparsity: tile, untile, combine
+// (forward and backward), block means, top-k, build_k2q, and the chain block means -> coarse attention ->
+// top-k -> k2q that precedes the sparse pass. GB/s count the bytes a stage must move at least (read +
+// written, padding slots only where they are written); a device-to-device copy in the same run gives the
+// card's copy bandwidth to compare them with.
+#include "common.hpp"
+
+#include <vsa/gpu/block_means.hpp>
+#include <vsa/gpu/coarse_attention.hpp>
+#include <vsa/gpu/combine.hpp>
+#include <vsa/gpu/index.hpp>
+#include <vsa/gpu/layout.hpp>
+#include <vsa/gpu/select.hpp>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+namespace vsa {
+namespace bench {
+namespace {
+
+struct stage_inputs {
+  problem p;
+  int64_t n, k, tokens, raster_tokens;
+  explicit stage_inputs(const shape& s)
+      : p(anchor_problem(s)), n(tile_geometry(p.grid).num_tiles()), k(resolve_top_k(n, options{})),
+        tokens(tile_geometry(p.grid).tiled_tokens()), raster_tokens(tile_geometry(p.grid).raster_tokens()) {}
+  int64_t row_bytes() const { return p.head_dim * 2; }
+  // Bytes of a [B, S, H, D] tensor of the q heads with `s` tokens.
+  double bytes(int64_t s, int64_t heads) const { return double(p.batch) * s * heads * row_bytes(); }
+  double means_bytes(int64_t heads) const { return double(p.batch) * heads * n * row_bytes(); }
+  tensor view(const buffer& b, int64_t s, int64_t heads) const { return bshd(b.get(), p.batch, s, heads, p.head_dim); }
+};
+
+void set_rate(benchmark::State& state, double bytes) {
+  state.counters["GB/s"] = benchmark::Counter(bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+void tile_stage(benchmark::State& state, const shape& s, bool to_tiled) {
+  const stage_inputs in(s);
+  const int64_t heads = in.p.q_heads;
+  buffer raster = random_elements(in.p.batch * in.raster_tokens * heads * in.p.head_dim, in.p.type, 1);
+  buffer tiled = random_elements(in.p.batch * in.tokens * heads * in.p.head_dim, in.p.type, 2);
+  const tensor r = in.view(raster, in.raster_tokens, heads), t = in.view(tiled, in.tokens, heads);
+  time_on_stream(state, nullptr, [&] {
+    if (to_tiled)
+      check(tile(in.p, heads, as_const(r), t, nullptr), "tile");
+    else
+      check(untile(in.p, heads, as_const(t), r, nullptr), "untile");
+  });
+  // tile reads the raster tokens and writes every slot; untile reads and writes the valid tokens only.
+  set_rate(state, to_tiled ? in.bytes(in.raster_tokens, heads) + in.bytes(in.tokens, heads)
+                           : 2 * in.bytes(in.raster_tokens, heads));
+}
+
+void combine_stage(benchmark::State& state, const shape& s, bool backward) {
+  const stage_inputs in(s);
+  const int64_t h = in.p.q_heads, elems = in.p.batch * in.tokens * h * in.p.head_dim;
+  buffer x = random_elements(elems, in.p.type, 3), gate = random_elements(elems, in.p.type, 4),
+         o_c = random_elements(in.p.batch * h * in.n * in.p.head_dim, in.p.type, 5), out(elems * 2),
+         d_o_c(in.p.batch * h * in.n * in.p.head_dim * 2);
+  const const_tensor xv = as_const(in.view(x, in.tokens, h)), gv = as_const(in.view(gate, in.tokens, h));
+  const tensor ov = in.view(out, in.tokens, h);
+  time_on_stream(state, nullptr, [&] {
+    if (backward)
+      check(combine_backward(in.p, xv, gv, o_c.get(), ov, d_o_c.get(), nullptr), "combine_backward");
+    else
+      check(combine(in.p, xv, gv, o_c.get(), ov, nullptr), "combine");
+  });
+  // Forward: o_s and gate (valid tokens) and o_c read, o written. Backward: dO and gate read, dgate and
+  // d_o_c written, o_c read.
+  const double valid = in.bytes(in.raster_tokens, h), all = in.bytes(in.tokens, h), coarse = in.means_bytes(h);
+  set_rate(state, backward ? 2 * valid + all + 2 * coarse : 2 * valid + coarse + all);
+}
+
+struct means_inputs {
+  stage_inputs in;
+  buffer q, k, v, q_c, k_c, v_c;
+  explicit means_inputs(const shape& s) : in(s) {
+    const int64_t per_head = in.p.batch * in.tokens * in.p.head_dim;
+    q = random_elements(per_head * in.p.q_heads, in.p.type, 6);
+    k = random_elements(per_head * in.p.kv_heads, in.p.type, 7);
+    v = random_elements(per_head * in.p.kv_heads, in.p.type, 8);
+    q_c = buffer(static_cast<std::size_t>(in.means_bytes(in.p.q_heads)));
+    k_c = buffer(static_cast<std::size_t>(in.means_bytes(in.p.kv_heads)));
+    v_c = buffer(static_cast<std::size_t>(in.means_bytes(in.p.kv_heads)));
+  }
+  void run() {
+    check(block_means(in.p, as_const(in.view(q, in.tokens, in.p.q_heads)), as_const(in.view(k, in.tokens, in.p.kv_heads)),
+                      as_const(in.view(v, in.tokens, in.p.kv_heads)), q_c.get(), k_c.get(), v_c.get(), nullptr),
+          "block_means");
+  }
+  double bytes() const {
+    const int64_t heads = in.p.q_heads + 2 * in.p.kv_heads;
+    return in.bytes(in.raster_tokens, heads) + in.means_bytes(heads);
+  }
+};
+
+void means_stage(benchmark::State& state, const shape& s) {
+  means_inputs m(s);
+  time_on_stream(state, nullptr, [&] { m.run(); });
+  set_rate(state, m.bytes());
+}
+
+// Scores [B, Hq, N, N] of normal random values, and room for the lists.
+struct selection_inputs {
+  stage_inputs in;
+  int64_t rows;
+  buffer scores, q2k, count, k2q, offset, select_ws, index_ws;
+  std::size_t select_bytes = 0, index_bytes = 0;
+  explicit selection_inputs(const shape& s) : in(s), rows(in.p.batch * in.p.q_heads * in.n) {
+    std::vector<float> host(static_cast<std::size_t>(rows * in.n));
+    std::mt19937_64 g(11);
+    std::normal_distribution<float> dist(0.f, 1.f);
+    for (float& x : host) x = dist(g);
+    scores = buffer(host.size() * 4);
+    check(copy_to_device(scores.get(), host.data(), host.size() * 4), "upload");
+    q2k = buffer(rows * in.k * 4);
+    count = buffer(rows * 4);
+    k2q = buffer(rows * in.k * 4);
+    offset = buffer(in.p.batch * in.p.q_heads * (in.n + 1) * 4);
+    check(select_top_k(in.p, in.k, nullptr, lists(), nullptr, select_bytes, nullptr), "select workspace");
+    check(build_k2q(in.p, lists(), nullptr, index_bytes, nullptr), "k2q workspace");
+    select_ws = buffer(select_bytes);
+    index_ws = buffer(index_bytes);
+  }
+  index_lists lists() const {
+    return {q2k.get<int32_t>(), count.get<int32_t>(), in.k, k2q.get<int32_t>(), offset.get<int32_t>()};
+  }
+  void select(const float* s) {
+    check(select_top_k(in.p, in.k, s, lists(), select_ws.get(), select_bytes, nullptr), "select_top_k");
+  }
+  void index() { check(build_k2q(in.p, lists(), index_ws.get(), index_bytes, nullptr), "build_k2q"); }
+};
+
+void top_k_stage(benchmark::State& state, const shape& s) {
+  selection_inputs sel(s);
+  time_on_stream(state, nullptr, [&] { sel.select(sel.scores.get<float>()); });
+  state.counters["N"] = double(sel.in.n);
+  state.counters["k"] = double(sel.in.k);
+  set_rate(state, 4.0 * sel.rows * (sel.in.n + sel.in.k + 1)); // scores read, lists written
+}
+
+void k2q_stage(benchmark::State& state, const shape& s) {
+  selection_inputs sel(s);
+  sel.select(sel.scores.get<float>());
+  time_on_stream(state, nullptr, [&] { sel.index(); });
+  state.counters["N"] = double(sel.in.n);
+  state.counters["k"] = double(sel.in.k);
+}
+
+// Block means -> coarse attention (scores, o_c, lse_c) -> top-k -> k2q: everything before the sparse pass.
+void chain_stage(benchmark::State& state, const shape& s) {
+  means_inputs m(s);
+  selection_inputs sel(s);
+  const problem& p = m.in.p;
+  buffer o_c(static_cast<std::size_t>(m.in.means_bytes(p.q_heads))), lse_c(p.batch * p.q_heads * m.in.n * 4);
+  const float scale = 1.f / std::sqrt(float(p.head_dim));
+  time_on_stream(state, nullptr, [&] {
+    m.run();
+    check(coarse_attention(p, scale, m.q_c.get(), m.k_c.get(), m.v_c.get(), sel.scores.get<float>(), o_c.get(),
+                           lse_c.get<float>(), nullptr),
+          "coarse_attention");
+    sel.select(sel.scores.get<float>());
+    sel.index();
+  });
+  state.counters["N"] = double(m.in.n);
+  state.counters["k"] = double(m.in.k);
+}
+
+void copy_bandwidth(benchmark::State& state) {
+  const std::size_t bytes = std::size_t(2) << 30;
+  buffer a = random_elements(bytes / 2, dtype::bf16, 9), b(bytes);
+  time_on_stream(state, nullptr, [&] { check(copy_device(b.get(), a.get(), bytes, nullptr), "copy"); });
+  set_rate(state, 2.0 * bytes); // read + written
+}
+
+template <class F, class... Args> void add(const std::string& name, F f, Args... args) {
+  benchmark::RegisterBenchmark(name.c_str(), f, args...)->UseManualTime()->Unit(benchmark::kMicrosecond);
+}
+
+const bool registered = [] {
+  add("copy_bandwidth", copy_bandwidth);
+  for (const shape& s : anchors()) {
+    const std::string n = s.name;
+    add("tile/" + n, tile_stage, s, true);
+    add("untile/" + n, tile_stage, s, false);
+    add("combine/" + n, combine_stage, s, false);
+    add("combine_backward/" + n, combine_stage, s, true);
+    add("block_means/" + n, means_stage, s);
+    add("select_top_k/" + n, top_k_stage, s);
+    add("build_k2q/" + n, k2q_stage, s);
+    add("means_coarse_topk_k2q/" + n, chain_stage, s);
+  }
+  return true;
+}();
+
+} // namespace
+} // namespace bench
+} // namespace vsa
+
+BENCHMARK_MAIN();

@@ -1,0 +1,163 @@
+// Shared pieces of the GPU benchmarks: the anchor shapes, device buffers, random inputs and event timing.
+// Runtime allocation lives here, not in the library (which never allocates).
+#pragma once
+
+#include <vsa/gpu/op.hpp>
+#include <vsa/numeric.hpp>
+#include <vsa/reference.hpp>
+
+#include <benchmark/benchmark.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <vector>
+
+namespace vsa {
+namespace bench {
+
+#if VSA_RUNTIME_HIP
+inline gpu::error_t device_malloc(void** p, std::size_t n) { return hipMalloc(p, n); }
+inline gpu::error_t device_free(void* p) { return hipFree(p); }
+inline gpu::error_t copy_to_device(void* d, const void* h, std::size_t n) {
+  return hipMemcpy(d, h, n, hipMemcpyHostToDevice);
+}
+inline gpu::error_t copy_to_host(void* h, const void* d, std::size_t n) {
+  return hipMemcpy(h, d, n, hipMemcpyDeviceToHost);
+}
+inline gpu::error_t copy_device(void* d, const void* s, std::size_t n, gpu::stream_t st) {
+  return hipMemcpyAsync(d, s, n, hipMemcpyDeviceToDevice, st);
+}
+using event_t = hipEvent_t;
+inline gpu::error_t event_create(event_t* e) { return hipEventCreate(e); }
+inline gpu::error_t event_record(event_t e, gpu::stream_t s) { return hipEventRecord(e, s); }
+inline gpu::error_t event_sync(event_t e) { return hipEventSynchronize(e); }
+inline gpu::error_t event_elapsed(float* ms, event_t a, event_t b) { return hipEventElapsedTime(ms, a, b); }
+inline gpu::error_t device_sync() { return hipDeviceSynchronize(); }
+#else
+inline gpu::error_t device_malloc(void** p, std::size_t n) { return cudaMalloc(p, n); }
+inline gpu::error_t device_free(void* p) { return cudaFree(p); }
+inline gpu::error_t copy_to_device(void* d, const void* h, std::size_t n) {
+  return cudaMemcpy(d, h, n, cudaMemcpyHostToDevice);
+}
+inline gpu::error_t copy_to_host(void* h, const void* d, std::size_t n) {
+  return cudaMemcpy(h, d, n, cudaMemcpyDeviceToHost);
+}
+inline gpu::error_t copy_device(void* d, const void* s, std::size_t n, gpu::stream_t st) {
+  return cudaMemcpyAsync(d, s, n, cudaMemcpyDeviceToDevice, st);
+}
+using event_t = cudaEvent_t;
+inline gpu::error_t event_create(event_t* e) { return cudaEventCreate(e); }
+inline gpu::error_t event_record(event_t e, gpu::stream_t s) { return cudaEventRecord(e, s); }
+inline gpu::error_t event_sync(event_t e) { return cudaEventSynchronize(e); }
+inline gpu::error_t event_elapsed(float* ms, event_t a, event_t b) { return cudaEventElapsedTime(ms, a, b); }
+inline gpu::error_t device_sync() { return cudaDeviceSynchronize(); }
+#endif
+
+inline void check(gpu::error_t e, const char* what) {
+  if (e != gpu::success) {
+    std::fprintf(stderr, "%s: %s\n", what, gpu::error_string(e));
+    std::exit(2);
+  }
+}
+inline void check(const status& s, const char* what) {
+  if (!s) {
+    std::fprintf(stderr, "%s: %s\n", what, s.message());
+    std::exit(2);
+  }
+}
+
+// A device allocation that frees itself.
+class buffer {
+public:
+  buffer() = default;
+  explicit buffer(std::size_t bytes) : bytes_(bytes) { check(device_malloc(&ptr_, bytes ? bytes : 1), "alloc"); }
+  buffer(const buffer&) = delete;
+  buffer& operator=(const buffer&) = delete;
+  buffer(buffer&& o) noexcept : ptr_(o.ptr_), bytes_(o.bytes_) { o.ptr_ = nullptr; }
+  buffer& operator=(buffer&& o) noexcept {
+    std::swap(ptr_, o.ptr_);
+    std::swap(bytes_, o.bytes_);
+    return *this;
+  }
+  ~buffer() {
+    if (ptr_) device_free(ptr_);
+  }
+  template <class T = void> T* get() const { return static_cast<T*>(ptr_); }
+  std::size_t bytes() const { return bytes_; }
+
+private:
+  void* ptr_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+// A device buffer of n 16-bit elements of normal random values (never zeros: zeros run faster than data).
+// Box–Muller over a xorshift generator: the anchor shapes need ~10^8 values, which std::normal_distribution
+// would take many seconds to draw.
+inline buffer random_elements(int64_t n, dtype t, uint64_t seed) {
+  std::vector<uint16_t> host(static_cast<std::size_t>(n));
+  uint64_t x = seed * 0x9e3779b97f4a7c15ull + 1;
+  const auto next = [&] {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    return static_cast<float>((x >> 40) + 1) * (1.0f / 16777217.0f); // (0, 1)
+  };
+  for (std::size_t i = 0; i < host.size(); i += 2) {
+    const float r = std::sqrt(-2.f * std::log(next())), a = 6.2831853f * next();
+    const float v[2] = {r * std::cos(a), r * std::sin(a)};
+    for (std::size_t j = 0; j < 2 && i + j < host.size(); ++j)
+      host[i + j] = t == dtype::bf16 ? float_to_bf16(v[j]) : float_to_fp16(v[j]);
+  }
+  buffer b(host.size() * 2);
+  check(copy_to_device(b.get(), host.data(), host.size() * 2), "upload");
+  return b;
+}
+
+// One anchor shape of the peers' table.
+struct shape {
+  const char* name;
+  int64_t batch, heads, head_dim;
+  grid3 grid;
+};
+inline const std::vector<shape>& anchors() {
+  static const std::vector<shape> s = {
+      {"wan2.1-1.3b-480p", 1, 12, 128, {21, 30, 52}},
+      {"fastvideo-bench-49k", 1, 12, 128, {48, 32, 32}},
+      {"wan2.2-5b-720p", 1, 24, 128, {31, 22, 40}},
+      {"hd64-32k", 1, 16, 64, {32, 32, 32}},
+  };
+  return s;
+}
+inline problem anchor_problem(const shape& s) {
+  problem p;
+  p.batch = s.batch;
+  p.q_heads = p.kv_heads = s.heads;
+  p.head_dim = s.head_dim;
+  p.grid = s.grid;
+  p.type = dtype::bf16;
+  return p;
+}
+
+// Times f on the stream with events, one measurement per benchmark iteration (manual time), after a few
+// warm-up calls; Google Benchmark reports the statistics (run with --benchmark_repetitions and the median).
+template <class F> void time_on_stream(benchmark::State& state, gpu::stream_t stream, F&& f) {
+  event_t start, stop;
+  check(event_create(&start), "event");
+  check(event_create(&stop), "event");
+  for (int i = 0; i < 3; ++i) f();
+  check(device_sync(), "warm-up");
+  for (auto _ : state) {
+    check(event_record(start, stream), "record");
+    f();
+    check(event_record(stop, stream), "record");
+    check(event_sync(stop), "sync");
+    float ms = 0.f;
+    check(event_elapsed(&ms, start, stop), "elapsed");
+    state.SetIterationTime(ms * 1e-3);
+  }
+}
+
+} // namespace bench
+} // namespace vsa

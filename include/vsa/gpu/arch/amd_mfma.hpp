@@ -1,0 +1,130 @@
+// AMD backend of the warp-level matrix layer: v_mfma_f32_16x16x16 (bf16_1k / f16) on CDNA2 and CDNA3,
+// one 64-lane wavefront per 16-row band of a 64-row tile.
+//
+// For 16×16×16 the CDNA ISA gives lane l the A elements (row l mod 16, k 4⌊l/16⌋ … +3), the B elements
+// (k 4⌊l/16⌋ … +3, column l mod 16) and the accumulator elements (rows 4⌊l/16⌋ … +3, column l mod 16).
+// The accumulator of a product is therefore laid out like the B operand of the next one. This backend
+// computes every tile transposed (Sᵀ = K·Qᵀ, Oᵀ = Vᵀ·Pᵀ): the band's own rows (queries) then sit on
+// column l mod 16 of every accumulator, P feeds the next product straight from registers, and the row
+// statistics of the online softmax are reduced across the four lanes l mod 16 + {0, 16, 32, 48}.
+#pragma once
+
+#include "element.hpp"
+#include "smem_tile.hpp"
+
+namespace vsa {
+namespace gpu {
+
+template <class E, int D> struct warp_mma {
+  static constexpr int threads = 64;
+  static constexpr int score_elems = 16; // 16 × 64 fp32 over 64 lanes
+  static constexpr int out_elems = D / 4;
+  static constexpr int rows_per_lane = 1;
+
+  typedef short short4_t __attribute__((ext_vector_type(4)));
+  typedef _Float16 half4_t __attribute__((ext_vector_type(4)));
+  typedef float float4_t __attribute__((ext_vector_type(4)));
+
+  struct score_tile {
+    float x[score_elems];
+  };
+  struct out_tile {
+    float x[out_elems];
+  };
+  // The band's 16 rows as B operands: per 16-wide k step, row l mod 16, elements 4⌊l/16⌋ … +3.
+  struct row_frag {
+    uint32_t x[D / 16][2];
+  };
+
+  __device__ __forceinline__ static int lane() { return threadIdx.x & 63; }
+  __device__ __forceinline__ static int elem_slot(int) { return 0; }
+  __device__ __forceinline__ static int slot_row(int) { return lane() & 15; }
+  __device__ __forceinline__ static int elem_row(int) { return lane() & 15; }
+  // Element e: 16-wide tile e / 4, accumulator register e mod 4.
+  __device__ __forceinline__ static int elem_col(int e) { return (e >> 2) * 16 + 4 * (lane() >> 4) + (e & 3); }
+
+  __device__ __forceinline__ static bool row_leader() { return lane() < 16; }
+  __device__ __forceinline__ static float row_max(float v) {
+    v = fmaxf(v, shfl_xor(v, 16));
+    return fmaxf(v, shfl_xor(v, 32));
+  }
+  __device__ __forceinline__ static float row_sum(float v) {
+    v += shfl_xor(v, 16);
+    return v + shfl_xor(v, 32);
+  }
+
+  __device__ __forceinline__ static void mfma(float* c, uint32_t a0, uint32_t a1, uint32_t b0, uint32_t b1) {
+    float4_t acc = {c[0], c[1], c[2], c[3]};
+    if constexpr (E::is_bf16) {
+      const short4_t a = __builtin_bit_cast(short4_t, (uint64_t(a1) << 32) | a0);
+      const short4_t b = __builtin_bit_cast(short4_t, (uint64_t(b1) << 32) | b0);
+      acc = __builtin_amdgcn_mfma_f32_16x16x16bf16_1k(a, b, acc, 0, 0, 0);
+    } else {
+      const half4_t a = __builtin_bit_cast(half4_t, (uint64_t(a1) << 32) | a0);
+      const half4_t b = __builtin_bit_cast(half4_t, (uint64_t(b1) << 32) | b0);
+      acc = __builtin_amdgcn_mfma_f32_16x16x16f16(a, b, acc, 0, 0, 0);
+    }
+    c[0] = acc[0];
+    c[1] = acc[1];
+    c[2] = acc[2];
+    c[3] = acc[3];
+  }
+
+  // Four consecutive elements of row `row` starting at column `col` (a multiple of 4: one 8-byte read).
+  __device__ __forceinline__ static void load4(uint32_t& lo, uint32_t& hi, smem_tile<D> t, int row, int col) {
+    const uint2 v = *reinterpret_cast<const uint2*>(t.at(row, col));
+    lo = v.x;
+    hi = v.y;
+  }
+
+  __device__ __forceinline__ static void load_rows(row_frag& f, smem_tile<D> t, int row0) {
+    const int l = lane();
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) load4(f.x[ks][0], f.x[ks][1], t, row0 + (l & 15), ks * 16 + 4 * (l >> 4));
+  }
+
+  // s += A · Bᵀ: computed as sᵀ += B · Aᵀ, B's rows as the MFMA A operand, the band's rows as its B operand.
+  __device__ __forceinline__ static void nt_step(score_tile& s, uint32_t f0, uint32_t f1, smem_tile<D> b, int ks) {
+    const int l = lane();
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      uint32_t a0, a1;
+      load4(a0, a1, b, t * 16 + (l & 15), ks * 16 + 4 * (l >> 4));
+      mfma(&s.x[t * 4], a0, a1, f0, f1);
+    }
+  }
+  __device__ __forceinline__ static void nt(score_tile& s, const row_frag& a, smem_tile<D> b) {
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) nt_step(s, a.x[ks][0], a.x[ks][1], b, ks);
+  }
+  __device__ __forceinline__ static void nt(score_tile& s, smem_tile<D> a, int row0, smem_tile<D> b) {
+    const int l = lane();
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      uint32_t f0, f1;
+      load4(f0, f1, a, row0 + (l & 15), ks * 16 + 4 * (l >> 4));
+      nt_step(s, f0, f1, b, ks);
+    }
+  }
+
+  // o += P · B: computed as oᵀ += Bᵀ · Pᵀ; Pᵀ is the score tile as it lies in registers.
+  __device__ __forceinline__ static void nn(out_tile& o, const score_tile& p, smem_tile<D> b) {
+    const int l = lane();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const uint32_t p0 = E::pack(p.x[kk * 4 + 0], p.x[kk * 4 + 1]);
+      const uint32_t p1 = E::pack(p.x[kk * 4 + 2], p.x[kk * 4 + 3]);
+      const int r = kk * 16 + 4 * (l >> 4);
+#pragma unroll
+      for (int dt = 0; dt < D / 16; ++dt) {
+        const int c = dt * 16 + (l & 15);
+        const uint32_t a0 = uint32_t(*b.at(r, c)) | (uint32_t(*b.at(r + 1, c)) << 16);
+        const uint32_t a1 = uint32_t(*b.at(r + 2, c)) | (uint32_t(*b.at(r + 3, c)) << 16);
+        mfma(&o.x[dt * 4], a0, a1, p0, p1);
+      }
+    }
+  }
+};
+
+} // namespace gpu
+} // namespace vsa

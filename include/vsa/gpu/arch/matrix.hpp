@@ -1,0 +1,61 @@
+// The warp-level matrix layer the attention kernels are written against. One backend per machine:
+//
+//   warp_mma<E, D>::threads            lanes per warp/wavefront; one warp owns 16 rows of a 64-row tile
+//   score_tile / out_tile              16 × 64 and 16 × D fp32 accumulators, elements e with
+//                                      elem_row(e), elem_col(e), elem_slot(e) (which of the lane's rows)
+//   row_max / row_sum                  reductions over the lanes that share a row
+//   row_frag, load_rows                the band's 16 rows of a shared tile, held as matrix operands
+//   nt(s, a, b)                        s += a · bᵀ  (a: the band's rows, b: a 64-row shared tile)
+//   nn(o, p, b)                        o += p · b   (p: a score tile, b: a 64-row shared tile)
+//
+// plus the global-to-shared tile copy. The algorithm never sees a lane layout: a Hopper mainloop can sit
+// beside these without touching it.
+#pragma once
+
+#include "smem_tile.hpp"
+#if VSA_PLATFORM_AMD
+#include "amd_mfma.hpp"
+#else
+#include "nvidia_mma.hpp"
+#endif
+
+namespace vsa {
+namespace gpu {
+
+// Copies the 64 rows of a [rows, D] tile from global memory (row r at src + r·row_stride) into a shared
+// tile, 16 bytes a thread at a time; rows at or past `valid` are zero-filled so that padding slots hold no
+// NaN or Inf that a zero probability could turn into NaN. On NVIDIA the copy is asynchronous (cp.async):
+// call copy_commit() after issuing a stage and copy_wait<N>() before reading it.
+template <int D>
+__device__ __forceinline__ void copy_tile(smem_tile<D> dst, const uint16_t* src, int64_t row_stride, int valid,
+                                          int tid, int nthreads) {
+  constexpr int chunks = smem_tile<D>::chunks;
+  for (int i = tid; i < tile_rows * chunks; i += nthreads) {
+    const int r = i / chunks, c = i % chunks;
+    uint16_t* d = dst.chunk(r, c);
+    const bool ok = r < valid;
+#if VSA_PLATFORM_NVIDIA
+    const uint16_t* s = ok ? src + r * row_stride + c * 8 : src;
+    const uint32_t daddr = static_cast<uint32_t>(__cvta_generic_to_shared(d));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(daddr), "l"(s), "r"(ok ? 16 : 0));
+#else
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (ok) v = *reinterpret_cast<const uint4*>(src + r * row_stride + c * 8);
+    *reinterpret_cast<uint4*>(d) = v;
+#endif
+  }
+}
+
+__device__ __forceinline__ void copy_commit() {
+#if VSA_PLATFORM_NVIDIA
+  asm volatile("cp.async.commit_group;");
+#endif
+}
+template <int N> __device__ __forceinline__ void copy_wait() {
+#if VSA_PLATFORM_NVIDIA
+  asm volatile("cp.async.wait_group %0;" ::"n"(N));
+#endif
+}
+
+} // namespace gpu
+} // namespace vsa

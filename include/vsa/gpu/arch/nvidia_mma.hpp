@@ -1,0 +1,135 @@
+// NVIDIA backend of the warp-level matrix layer: mma.sync m16n8k16 (sm_80 and later), fragments loaded
+// from shared memory with ldmatrix. One warp of 32 lanes owns a 16-row band of a 64-row tile.
+//
+// Lane l holds, of a 16×8 accumulator, rows l/4 and l/4 + 8 at columns 2(l mod 4) and 2(l mod 4) + 1 (the
+// PTX ISA's fragment layout for m16n8k16). The accumulator of two adjacent n8 tiles is, element for
+// element, the A fragment of the next product, which is why P never leaves registers between S = Q·Kᵀ and
+// O += P·V.
+#pragma once
+
+#include "element.hpp"
+#include "smem_tile.hpp"
+
+namespace vsa {
+namespace gpu {
+
+template <class E, int D> struct warp_mma {
+  static constexpr int threads = 32;
+  static constexpr int score_elems = 32;  // 16 × 64 fp32 over 32 lanes
+  static constexpr int out_elems = D / 2; // 16 × D fp32 over 32 lanes
+  static constexpr int rows_per_lane = 2;
+
+  struct score_tile {
+    float x[score_elems];
+  };
+  struct out_tile {
+    float x[out_elems];
+  };
+  // A fragments of a 16 × D band, one group of four registers per 16-wide k step.
+  struct row_frag {
+    uint32_t x[D / 16][4];
+  };
+
+  __device__ __forceinline__ static int lane() { return threadIdx.x & 31; }
+  // Element e of a score or output tile: n8 tile e / 4, register e mod 4.
+  __device__ __forceinline__ static int elem_slot(int e) { return (e >> 1) & 1; }
+  __device__ __forceinline__ static int slot_row(int s) { return (lane() >> 2) + 8 * s; }
+  __device__ __forceinline__ static int elem_row(int e) { return slot_row(elem_slot(e)); }
+  __device__ __forceinline__ static int elem_col(int e) { return (e >> 2) * 8 + 2 * (lane() & 3) + (e & 1); }
+
+  // One lane of the four that share a row, to write per-row results once.
+  __device__ __forceinline__ static bool row_leader() { return (lane() & 3) == 0; }
+  // Reductions over the four lanes that share a row.
+  __device__ __forceinline__ static float row_max(float v) {
+    v = fmaxf(v, shfl_xor(v, 1));
+    return fmaxf(v, shfl_xor(v, 2));
+  }
+  __device__ __forceinline__ static float row_sum(float v) {
+    v += shfl_xor(v, 1);
+    return v + shfl_xor(v, 2);
+  }
+
+  __device__ __forceinline__ static uint32_t smem_addr(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  }
+  __device__ __forceinline__ static void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+  }
+  __device__ __forceinline__ static void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+  }
+  __device__ __forceinline__ static void mma(float* c, const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    if constexpr (E::is_bf16) {
+      asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                   "{%0,%1,%2,%3};"
+                   : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    } else {
+      asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                   "{%0,%1,%2,%3};"
+                   : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+  }
+
+  // A fragment of rows row0 .. row0+15, k step ks: the four 8×8 matrices (rows 0-7 | 8-15) × (k 0-7 | 8-15).
+  __device__ __forceinline__ static void load_a(uint32_t (&a)[4], smem_tile<D> t, int row0, int ks) {
+    const int l = lane(), m = l >> 3;
+    ldmatrix_x4(a, t.chunk(row0 + (l & 7) + 8 * (m & 1), 2 * ks + (m >> 1)));
+  }
+  __device__ __forceinline__ static void load_rows(row_frag& f, smem_tile<D> t, int row0) {
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) load_a(f.x[ks], t, row0, ks);
+  }
+
+  // s += A · Bᵀ over the head dim, B the 64 rows of tile b; A from registers or from rows row0.. of tile a.
+  __device__ __forceinline__ static void nt_step(score_tile& s, const uint32_t (&a)[4], smem_tile<D> b, int ks) {
+    const int l = lane(), m = l >> 3;
+#pragma unroll
+    for (int np = 0; np < 4; ++np) { // pairs of n8 tiles: 16 rows of b
+      uint32_t r[4];
+      ldmatrix_x4(r, b.chunk(np * 16 + (l & 7) + 8 * (m >> 1), 2 * ks + (m & 1)));
+      mma(&s.x[(2 * np) * 4], a, r[0], r[1]);
+      mma(&s.x[(2 * np + 1) * 4], a, r[2], r[3]);
+    }
+  }
+  __device__ __forceinline__ static void nt(score_tile& s, const row_frag& a, smem_tile<D> b) {
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) nt_step(s, a.x[ks], b, ks);
+  }
+  __device__ __forceinline__ static void nt(score_tile& s, smem_tile<D> a, int row0, smem_tile<D> b) {
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      uint32_t f[4];
+      load_a(f, a, row0, ks);
+      nt_step(s, f, b, ks);
+    }
+  }
+
+  // o += P · B, P the 16 × 64 score tile (rounded to E), B the 64 × D tile b (rows = the k axis).
+  __device__ __forceinline__ static void nn(out_tile& o, const score_tile& p, smem_tile<D> b) {
+    const int l = lane(), m = l >> 3;
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) { // 16 rows of b per step
+      uint32_t a[4];
+      a[0] = E::pack(p.x[(2 * kk) * 4 + 0], p.x[(2 * kk) * 4 + 1]);
+      a[1] = E::pack(p.x[(2 * kk) * 4 + 2], p.x[(2 * kk) * 4 + 3]);
+      a[2] = E::pack(p.x[(2 * kk + 1) * 4 + 0], p.x[(2 * kk + 1) * 4 + 1]);
+      a[3] = E::pack(p.x[(2 * kk + 1) * 4 + 2], p.x[(2 * kk + 1) * 4 + 3]);
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) { // pairs of n8 tiles along the head dim
+        uint32_t r[4];
+        ldmatrix_x4_trans(r, b.chunk(kk * 16 + (l & 7) + 8 * (m & 1), 2 * dp + (m >> 1)));
+        mma(&o.x[(2 * dp) * 4], a, r[0], r[1]);
+        mma(&o.x[(2 * dp + 1) * 4], a, r[2], r[3]);
+      }
+    }
+  }
+};
+
+} // namespace gpu
+} // namespace vsa

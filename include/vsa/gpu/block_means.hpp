@@ -1,0 +1,140 @@
+// Stage 2 on the GPU: the mean of each tile's valid tokens, for q, k and v in one launch. Each block
+// reduces one (tensor, batch, head, tile): 64 rows of D elements, read as 16-byte vectors by row groups
+// of threads, summed in fp32, the groups' partial sums then added through shared memory. Padding slots
+// are never read. The grid walks the heads of a tile before the next tile, so that neighbouring blocks
+// read neighbouring memory in the [B, S, H, D] layout.
+#pragma once
+
+#include "../geometry.hpp"
+#include "../validate.hpp"
+#include "primitives.hpp"
+
+namespace vsa {
+namespace gpu {
+namespace detail {
+
+inline constexpr int tile_rows_threads = 128;
+
+// Thread layout of a block that reads the rows of one tile of one head: `vectors` threads across a row,
+// `groups` rows at a time, each thread covering `rows_per_thread` rows.
+template <int D> struct tile_rows {
+  static constexpr int vectors = D / 8;
+  static constexpr int groups = tile_rows_threads / vectors;
+  static constexpr int rows_per_thread = tile_tokens / groups;
+  static_assert(tile_rows_threads % vectors == 0 && tile_tokens % groups == 0, "rows must split evenly");
+};
+
+// Adds the groups' partial row sums: on return, thread t < D holds the column sum of element t. `partial`
+// is [groups][D] in shared memory; the caller syncs before reusing it.
+template <int D>
+__device__ __forceinline__ float sum_row_groups(const float (&mine)[8], float (*partial)[D], int group, int vec) {
+  float4* out = reinterpret_cast<float4*>(&partial[group][vec * 8]);
+  out[0] = make_float4(mine[0], mine[1], mine[2], mine[3]);
+  out[1] = make_float4(mine[4], mine[5], mine[6], mine[7]);
+  __syncthreads();
+  float total = 0.0f;
+  if (threadIdx.x < D) {
+#pragma unroll
+    for (int g = 0; g < tile_rows<D>::groups; ++g) total += partial[g][threadIdx.x];
+  }
+  return total;
+}
+
+struct means_source {
+  vector_view<const uint4> x;
+  uint16_t* out; // [B, heads, N, D]
+  int64_t heads;
+};
+
+struct means_params {
+  means_source q, k, v;
+  tile_geometry geo;
+  int64_t batch;
+};
+
+// Field by field: selecting whole parameter structs, or taking their address, makes compilers copy the
+// kernel parameters to scratch memory.
+__device__ __forceinline__ means_source pick(const means_params& p, bool is_q, bool is_k) {
+  means_source s;
+  s.x.data = is_q ? p.q.x.data : (is_k ? p.k.x.data : p.v.x.data);
+  s.x.batch_stride = is_q ? p.q.x.batch_stride : (is_k ? p.k.x.batch_stride : p.v.x.batch_stride);
+  s.x.token_stride = is_q ? p.q.x.token_stride : (is_k ? p.k.x.token_stride : p.v.x.token_stride);
+  s.x.head_stride = is_q ? p.q.x.head_stride : (is_k ? p.k.x.head_stride : p.v.x.head_stride);
+  s.out = is_q ? p.q.out : (is_k ? p.k.out : p.v.out);
+  s.heads = is_q ? p.q.heads : (is_k ? p.k.heads : p.v.heads);
+  return s;
+}
+
+template <class E, int D> __global__ void __launch_bounds__(tile_rows_threads) block_means_kernel(means_params p) {
+  using L = tile_rows<D>;
+  __shared__ __align__(16) float partial[L::groups][D];
+  const int64_t tiles = p.geo.num_tiles();
+  const int64_t slots = p.q.heads + p.k.heads + p.v.heads;
+  const int64_t items = p.batch * tiles * slots;
+  const int group = threadIdx.x / L::vectors, vec = threadIdx.x % L::vectors;
+
+  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
+    int64_t h = item % slots;
+    const int64_t n = (item / slots) % tiles, b = item / slots / tiles;
+    const bool is_q = h < p.q.heads, is_k = !is_q && h < p.q.heads + p.k.heads;
+    h -= is_q ? 0 : (is_k ? p.q.heads : p.q.heads + p.k.heads);
+    const means_source src = pick(p, is_q, is_k);
+    const int valid = p.geo.valid(n);
+    const uint4* row0 = src.x.row(b, n * tile_tokens, h) + vec;
+
+    // All loads first, so that a thread has its rows in flight together.
+    uint4 raw[L::rows_per_thread];
+#pragma unroll
+    for (int r = 0; r < L::rows_per_thread; ++r) {
+      const int row = group + r * L::groups;
+      raw[r] = row < valid ? row0[row * src.x.token_stride] : make_uint4(0u, 0u, 0u, 0u);
+    }
+    float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int r = 0; r < L::rows_per_thread; ++r) {
+      float f[8];
+      unpack8<E>(raw[r], f);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) sum[e] += f[e];
+    }
+    const float total = sum_row_groups<D>(sum, partial, group, vec);
+    if (threadIdx.x < D)
+      src.out[((b * src.heads + h) * tiles + n) * D + threadIdx.x] = E::from_float(total / static_cast<float>(valid));
+    __syncthreads(); // partial is rewritten by the next item
+  }
+}
+
+} // namespace detail
+} // namespace gpu
+
+// q_c [B, Hq, N, D], k_c and v_c [B, Hkv, N, D], contiguous, in p.type: the mean of each tile's valid tokens
+// of the tiled tensors q [B, N·64, Hq, D], k and v [B, N·64, Hkv, D], accumulated in fp32.
+inline status block_means(const problem& p, const_tensor q, const_tensor k, const_tensor v, void* q_c, void* k_c,
+                          void* v_c, gpu::stream_t stream) {
+  status s = check_problem(p, target::gpu);
+  const tile_geometry geo(p.grid);
+  if (s) s = check_tensor("q", q, p, p.q_heads, geo.tiled_tokens(), target::gpu);
+  if (s) s = check_tensor("k", k, p, p.kv_heads, geo.tiled_tokens(), target::gpu);
+  if (s) s = check_tensor("v", v, p, p.kv_heads, geo.tiled_tokens(), target::gpu);
+  if (s) s = check_pointer("q_c", q_c, 16);
+  if (s) s = check_pointer("k_c", k_c, 16);
+  if (s) s = check_pointer("v_c", v_c, 16);
+  if (!s) return s;
+  namespace gd = gpu::detail;
+  const gd::means_params mp{{gd::make_vector_view<const uint4>(q), static_cast<uint16_t*>(q_c), p.q_heads},
+                            {gd::make_vector_view<const uint4>(k), static_cast<uint16_t*>(k_c), p.kv_heads},
+                            {gd::make_vector_view<const uint4>(v), static_cast<uint16_t*>(v_c), p.kv_heads},
+                            geo,
+                            p.batch};
+  const unsigned blocks = gd::grid_blocks(p.batch * geo.num_tiles() * (p.q_heads + 2 * p.kv_heads));
+  return gd::dispatch_element(p.type, [&](auto element) {
+    using E = decltype(element);
+    if (p.head_dim == 64)
+      gd::block_means_kernel<E, 64><<<blocks, gd::tile_rows_threads, 0, stream>>>(mp);
+    else
+      gd::block_means_kernel<E, 128><<<blocks, gd::tile_rows_threads, 0, stream>>>(mp);
+    return gpu::launch_status("block_means");
+  });
+}
+
+} // namespace vsa

@@ -1,0 +1,283 @@
+// Flash-attention backward over a schedule of key tiles, without atomics: one kernel walks each query
+// tile's key tiles and accumulates dq; another walks each key tile's query tiles (every query head of its
+// group) and accumulates dk and dv. Each output element is summed by one thread in a fixed order, so the
+// result is bitwise the same on every run. Both recompute P from the saved log-sum-exp.
+//
+// A third, small kernel forms delta_i = Σ_d dO_id · o_id, the row term of dS = P ∘ (dP − delta).
+#pragma once
+
+#include "../arch/matrix.hpp"
+#include "attention_schedule.hpp"
+
+namespace vsa {
+namespace gpu {
+namespace detail {
+
+struct backward_params {
+  operand q, k, v, d_o;
+  operand dq, dk, dv;  // written in the element type, unless the f32 outputs are set
+  float* dq_f32;       // optional contiguous [B, Hq, rows, D] fp32 outputs (the coarse pass)
+  float* dk_f32;       // [B, Hkv, rows, D]
+  float* dv_f32;
+  const float* lse;    // [B·Hq, rows_total]
+  const float* delta;  // [B·Hq, rows_total]
+  const float* fold_q; // optional [B, Hq, N, D] fp32, added as fold_q[tile] / valid(tile) to every valid row
+  const float* fold_k; // [B, Hkv, N, D]
+  const float* fold_v;
+  int64_t q_heads, kv_heads, group;
+  float scale;
+  float scale_log2;
+};
+
+// Writes a 16 × D band of an fp32 accumulator: scaled, plus the coarse gradient spread over the tile's
+// valid rows, zero in padding rows.
+template <class E, int D, class M, class Sched>
+__device__ __forceinline__ void store_band(const typename M::out_tile& acc, float scale, int row0, int valid,
+                                           const operand& out, uint16_t* out_tile, float* out_f32,
+                                           const float* fold, int64_t fold_row) {
+  const float fold_scale = valid > 0 ? 1.f / valid : 0.f;
+#pragma unroll
+  for (int e = 0; e < M::out_elems; e += 2) {
+    const int row = row0 + M::elem_row(e), col = M::elem_col(e);
+    if (!Sched::has_padding_rows && row >= valid) continue;
+    float x0 = 0.f, x1 = 0.f;
+    if (row < valid) {
+      x0 = acc.x[e] * scale;
+      x1 = acc.x[e + 1] * scale;
+      if (fold != nullptr) {
+        x0 += fold[fold_row * D + col] * fold_scale;
+        x1 += fold[fold_row * D + col + 1] * fold_scale;
+      }
+    }
+    if (out_f32 != nullptr) {
+      out_f32[row * D + col] = x0;
+      out_f32[row * D + col + 1] = x1;
+    } else {
+      *reinterpret_cast<uint32_t*>(out_tile + row * out.token + col) = E::pack(x0, x1);
+    }
+  }
+}
+
+template <class E, int D, class Sched>
+__global__ void __launch_bounds__((4 * warp_mma<E, D>::threads)) attention_dq_kernel(backward_params p, Sched s) {
+  using M = warp_mma<E, D>;
+  constexpr int nthreads = 4 * M::threads;
+  constexpr int R = M::rows_per_lane;
+  constexpr float log2e = 1.4426950408889634f;
+  constexpr int stages = smem_plan<D>::backward_stages;
+
+  extern __shared__ uint4 smem_raw[];
+  uint16_t* sm = reinterpret_cast<uint16_t*>(smem_raw);
+  const smem_tile<D> sq{sm}, sdo{sm + 64 * D};
+  const auto sk = [&](int buf) { return smem_tile<D>{sm + (2 + 2 * buf) * 64 * D}; };
+  const auto sv = [&](int buf) { return smem_tile<D>{sm + (3 + 2 * buf) * 64 * D}; };
+
+  const int64_t i = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int64_t bh = b * p.q_heads + h, hk = h / p.group;
+  const int tid = threadIdx.x, row0 = (tid / M::threads) * 16;
+  const int q_valid = s.valid(i);
+  const int64_t rows_total = s.rows_total();
+
+  int64_t begin, end;
+  s.range(bh, i, begin, end);
+  const auto load_kv = [&](int64_t pos, int buf) {
+    const int64_t j = s.at(pos);
+    const int kv = s.valid(j);
+    copy_tile(sk(buf), p.k.tile(b, hk, j), p.k.token, kv, tid, nthreads);
+    copy_tile(sv(buf), p.v.tile(b, hk, j), p.v.token, kv, tid, nthreads);
+  };
+  copy_tile(sq, p.q.tile(b, h, i), p.q.token, q_valid, tid, nthreads);
+  copy_tile(sdo, p.d_o.tile(b, h, i), p.d_o.token, q_valid, tid, nthreads);
+  if (begin < end) load_kv(begin, 0);
+  copy_commit();
+
+  // Row statistics of the lane's rows, in the base-2 domain of the forward.
+  float lse2[R], delta[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int row = row0 + M::slot_row(r);
+    const bool live = row < q_valid;
+    lse2[r] = live ? p.lse[bh * rows_total + i * 64 + row] * log2e : __builtin_huge_valf();
+    delta[r] = live ? p.delta[bh * rows_total + i * 64 + row] : 0.f;
+  }
+  typename M::out_tile dq;
+#pragma unroll
+  for (int e = 0; e < M::out_elems; ++e) dq.x[e] = 0.f;
+
+  copy_wait<0>();
+  __syncthreads();
+
+  for (int64_t pos = begin; pos < end; ++pos) {
+    const int buf = stages == 2 ? static_cast<int>((pos - begin) & 1) : 0;
+    if (stages == 2 && pos + 1 < end) load_kv(pos + 1, buf ^ 1);
+    copy_commit();
+    const int kv = s.valid(s.at(pos));
+
+    typename M::score_tile st, dp;
+#pragma unroll
+    for (int e = 0; e < M::score_elems; ++e) st.x[e] = 0.f, dp.x[e] = 0.f;
+    M::nt(st, sq, row0, sk(buf));
+    M::nt(dp, sdo, row0, sv(buf));
+#pragma unroll
+    for (int e = 0; e < M::score_elems; ++e) {
+      const int r = M::elem_slot(e);
+      const float pr = M::elem_col(e) < kv ? fast_exp2(st.x[e] * p.scale_log2 - lse2[r]) : 0.f;
+      st.x[e] = pr * (dp.x[e] - delta[r]); // dS
+    }
+    M::nn(dq, st, sk(buf));
+
+    if (stages == 1) {
+      __syncthreads();
+      if (pos + 1 < end) load_kv(pos + 1, 0);
+      copy_commit();
+    }
+    copy_wait<0>();
+    __syncthreads();
+  }
+
+  float* f32 = p.dq_f32 != nullptr ? p.dq_f32 + (bh * rows_total + i * 64) * D : nullptr;
+  store_band<E, D, M, Sched>(dq, p.scale, row0, q_valid, p.dq, p.dq.tile(b, h, i), f32, p.fold_q,
+                             bh * s.tiles + i);
+}
+
+template <class E, int D, class Sched>
+__global__ void __launch_bounds__((4 * warp_mma<E, D>::threads)) attention_dkdv_kernel(backward_params p, Sched s) {
+  using M = warp_mma<E, D>;
+  constexpr int nthreads = 4 * M::threads;
+  constexpr float log2e = 1.4426950408889634f;
+  constexpr int stages = smem_plan<D>::backward_stages;
+  constexpr bool stats_in_smem = smem_plan<D>::stats_in_smem;
+
+  extern __shared__ uint4 smem_raw[];
+  uint16_t* sm = reinterpret_cast<uint16_t*>(smem_raw);
+  const smem_tile<D> sk{sm}, sv{sm + 64 * D};
+  const auto sq = [&](int buf) { return smem_tile<D>{sm + (2 + 2 * buf) * 64 * D}; };
+  const auto sdo = [&](int buf) { return smem_tile<D>{sm + (3 + 2 * buf) * 64 * D}; };
+  float* stats = reinterpret_cast<float*>(sm + (2 + 2 * stages) * 64 * D); // [stage][lse2 | delta][64]
+
+  const int64_t j = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+  const int tid = threadIdx.x, row0 = (tid / M::threads) * 16;
+  const int kv = s.valid(j);
+  const int64_t rows_total = s.rows_total();
+
+  copy_tile(sk, p.k.tile(b, hk, j), p.k.token, kv, tid, nthreads);
+  copy_tile(sv, p.v.tile(b, hk, j), p.v.token, kv, tid, nthreads);
+
+  // The (query head, query tile) pairs of this key tile: the lists of every head of the group, in order.
+  const auto locate = [&](int g, int64_t& begin, int64_t& end) { s.range(b * p.q_heads + hk * p.group + g, j, begin, end); };
+  const auto load_q = [&](int g, int64_t pos, int buf) {
+    const int64_t h = hk * p.group + g, i = s.at(pos), bh = b * p.q_heads + h;
+    const int qv = s.valid(i);
+    copy_tile(sq(buf), p.q.tile(b, h, i), p.q.token, qv, tid, nthreads);
+    copy_tile(sdo(buf), p.d_o.tile(b, h, i), p.d_o.token, qv, tid, nthreads);
+    if (stats_in_smem && tid < 64) {
+      const bool live = tid < qv;
+      stats[buf * 128 + tid] = live ? p.lse[bh * rows_total + i * 64 + tid] * log2e : __builtin_huge_valf();
+      stats[buf * 128 + 64 + tid] = live ? p.delta[bh * rows_total + i * 64 + tid] : 0.f;
+    }
+  };
+
+  typename M::out_tile dk, dv;
+#pragma unroll
+  for (int e = 0; e < M::out_elems; ++e) dk.x[e] = 0.f, dv.x[e] = 0.f;
+
+  int g = 0;
+  int64_t pos = 0, end = 0;
+  locate(0, pos, end);
+  while (pos == end && ++g < p.group) locate(g, pos, end);
+  if (g < p.group) load_q(g, pos, 0);
+  copy_commit();
+  copy_wait<0>();
+  __syncthreads();
+
+  int buf = 0;
+  while (g < p.group) {
+    // Find the next pair before computing this one, so that its copy overlaps the arithmetic.
+    int ng = g;
+    int64_t npos = pos + 1, nend = end;
+    while (npos == nend && ++ng < p.group) locate(ng, npos, nend);
+    if (stages == 2 && ng < p.group) load_q(ng, npos, buf ^ 1);
+    copy_commit();
+
+    // Statistics of the current query tile's rows, from shared memory or straight from global memory.
+    const int64_t cur_i = s.at(pos), cur_row = (b * p.q_heads + hk * p.group + g) * rows_total + cur_i * 64;
+    const int cur_valid = s.valid(cur_i);
+    const auto lse2 = [&](int c) {
+      if constexpr (stats_in_smem) return stats[buf * 128 + c];
+      return c < cur_valid ? p.lse[cur_row + c] * log2e : __builtin_huge_valf();
+    };
+    const auto delta = [&](int c) {
+      if constexpr (stats_in_smem) return stats[buf * 128 + 64 + c];
+      return c < cur_valid ? p.delta[cur_row + c] : 0.f;
+    };
+    typename M::score_tile st, dp;
+#pragma unroll
+    for (int e = 0; e < M::score_elems; ++e) st.x[e] = 0.f, dp.x[e] = 0.f;
+    M::nt(st, sk, row0, sq(buf));  // Sᵀ: rows are keys, columns queries
+    M::nt(dp, sv, row0, sdo(buf)); // dPᵀ
+#pragma unroll
+    for (int e = 0; e < M::score_elems; ++e) {
+      const int c = M::elem_col(e);
+      const float pr = fast_exp2(st.x[e] * p.scale_log2 - lse2(c));
+      st.x[e] = pr;
+      dp.x[e] = pr * (dp.x[e] - delta(c)); // dSᵀ
+    }
+    M::nn(dv, st, sdo(buf));
+    M::nn(dk, dp, sq(buf));
+
+    if (stages == 1) {
+      __syncthreads();
+      if (ng < p.group) load_q(ng, npos, 0);
+      copy_commit();
+    }
+    copy_wait<0>();
+    __syncthreads();
+    g = ng, pos = npos, end = nend, buf ^= (stages - 1);
+  }
+
+  const int64_t bhk = b * p.kv_heads + hk;
+  float* kf = p.dk_f32 != nullptr ? p.dk_f32 + (bhk * rows_total + j * 64) * D : nullptr;
+  float* vf = p.dv_f32 != nullptr ? p.dv_f32 + (bhk * rows_total + j * 64) * D : nullptr;
+  store_band<E, D, M, Sched>(dk, p.scale, row0, kv, p.dk, p.dk.tile(b, hk, j), kf, p.fold_k, bhk * s.tiles + j);
+  store_band<E, D, M, Sched>(dv, 1.f, row0, kv, p.dv, p.dv.tile(b, hk, j), vf, p.fold_v, bhk * s.tiles + j);
+}
+
+// delta[bh, row] = Σ_d dO · (o − g ⊙ o_c[tile]) over a row; one warp per row, fp32 accumulation. o_c and
+// the gate are optional: without o_c the second factor is o itself (o_s of the plain sparse backward).
+struct delta_params {
+  operand o, d_o, gate; // gate.data may be null (g = 1)
+  const uint16_t* o_c;  // optional [B, Hq, N, D]
+  float* delta;         // [B·Hq, rows_total]
+  int64_t q_heads, rows_total, tiles;
+  int head_dim;
+};
+
+template <class E, class Sched>
+__global__ void __launch_bounds__(256) attention_delta_kernel(delta_params p, Sched s, int64_t total_rows) {
+  const int lanes = warp_size;
+  const int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / lanes;
+  const int lane = threadIdx.x % lanes;
+  if (row >= total_rows) return;
+  const int64_t bh = row / p.rows_total, r = row % p.rows_total, b = bh / p.q_heads, h = bh % p.q_heads;
+  const int64_t tile = r / 64;
+  const bool valid = (r % 64) < s.valid(tile);
+  float acc = 0.f;
+  if (valid) {
+    const int64_t tok = r;
+    const uint16_t* o = p.o.data + b * p.o.batch + h * p.o.head + tok * p.o.token;
+    const uint16_t* d = p.d_o.data + b * p.d_o.batch + h * p.d_o.head + tok * p.d_o.token;
+    const uint16_t* g = p.gate.data ? p.gate.data + b * p.gate.batch + h * p.gate.head + tok * p.gate.token : nullptr;
+    const uint16_t* c = p.o_c ? p.o_c + (bh * p.tiles + tile) * p.head_dim : nullptr;
+    for (int k = lane; k < p.head_dim; k += lanes) {
+      float x = E::to_float(o[k]);
+      if (c != nullptr) x -= (g ? E::to_float(g[k]) : 1.f) * E::to_float(c[k]);
+      acc += E::to_float(d[k]) * x;
+    }
+  }
+  for (int m = lanes / 2; m > 0; m /= 2) acc += shfl_xor(acc, m);
+  if (lane == 0) p.delta[row] = acc;
+}
+
+} // namespace detail
+} // namespace gpu
+} // namespace vsa

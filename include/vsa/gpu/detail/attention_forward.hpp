@@ -1,0 +1,166 @@
+// Flash-attention forward over a schedule of key tiles: one block per (query tile, head, batch), one warp
+// per 16 query rows, key and value tiles double-buffered in shared memory, an online softmax in base 2
+// with the scale folded into the exponent.
+#pragma once
+
+#include "../arch/matrix.hpp"
+#include "attention_schedule.hpp"
+
+#include <cmath>
+
+namespace vsa {
+namespace gpu {
+namespace detail {
+
+struct forward_params {
+  operand q, k, v, o;
+  float* lse;    // [B·Hq, rows_total], natural log; +inf where a row attends nothing
+  float* scores; // optional [B·Hq, rows_total, rows_total]: scaled scores before the softmax (dense only)
+  // Optional combine epilogue of the whole op: o = o_s + g ⊙ o_c[tile], g from `gate` (data null: g = 1).
+  const uint16_t* o_c; // [B·Hq·N, D] or null
+  operand gate;
+  int64_t q_heads;
+  int64_t group; // q_heads / kv_heads
+  float scale;
+  float scale_log2; // scale · log2(e)
+};
+
+template <class E, int D, class Sched>
+__global__ void __launch_bounds__((4 * warp_mma<E, D>::threads)) attention_forward_kernel(forward_params p, Sched s) {
+  using M = warp_mma<E, D>;
+  constexpr int nthreads = 4 * M::threads;
+  constexpr int R = M::rows_per_lane;
+  constexpr float inf = __builtin_huge_valf();
+  constexpr int stages = smem_plan<D>::forward_stages;
+
+  extern __shared__ uint4 smem_raw[];
+  uint16_t* sm = reinterpret_cast<uint16_t*>(smem_raw);
+  // Q, then one or two (K, V) stages. Stages are addressed by arithmetic, not arrays of tiles, so that a run-time
+  // stage index does not push the tile descriptors to local memory.
+  const smem_tile<D> sq{sm};
+  const auto sk = [&](int buf) { return smem_tile<D>{sm + (1 + 2 * buf) * 64 * D}; };
+  const auto sv = [&](int buf) { return smem_tile<D>{sm + (2 + 2 * buf) * 64 * D}; };
+
+  const int64_t i = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int64_t bh = b * p.q_heads + h, hk = h / p.group;
+  const int tid = threadIdx.x, row0 = (tid / M::threads) * 16;
+  const int q_valid = s.valid(i);
+
+  int64_t begin, end;
+  s.range(bh, i, begin, end);
+  const auto load_kv = [&](int64_t pos, int buf) {
+    const int64_t j = s.at(pos);
+    const int kv = s.valid(j);
+    copy_tile(sk(buf), p.k.tile(b, hk, j), p.k.token, kv, tid, nthreads);
+    copy_tile(sv(buf), p.v.tile(b, hk, j), p.v.token, kv, tid, nthreads);
+  };
+  copy_tile(sq, p.q.tile(b, h, i), p.q.token, q_valid, tid, nthreads);
+  if (begin < end) load_kv(begin, 0);
+  copy_commit();
+
+  float m[R], l[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) m[r] = -inf, l[r] = 0.f;
+  typename M::out_tile o;
+#pragma unroll
+  for (int e = 0; e < M::out_elems; ++e) o.x[e] = 0.f;
+
+  copy_wait<0>();
+  __syncthreads();
+  typename M::row_frag qf;
+  M::load_rows(qf, sq, row0);
+
+  for (int64_t pos = begin; pos < end; ++pos) {
+    const int buf = stages == 2 ? static_cast<int>((pos - begin) & 1) : 0;
+    if (stages == 2 && pos + 1 < end) load_kv(pos + 1, buf ^ 1);
+    copy_commit();
+
+    typename M::score_tile st;
+#pragma unroll
+    for (int e = 0; e < M::score_elems; ++e) st.x[e] = 0.f;
+    M::nt(st, qf, sk(buf));
+
+    const int64_t j = s.at(pos);
+    const int kv = s.valid(j);
+    if (p.scores != nullptr) {
+      const int64_t len = s.rows_total();
+      float* out = p.scores + bh * len * len;
+#pragma unroll
+      for (int e = 0; e < M::score_elems; ++e) {
+        const int r = row0 + M::elem_row(e), c = M::elem_col(e);
+        if (r < q_valid && c < kv) out[(i * 64 + r) * len + j * 64 + c] = st.x[e] * p.scale;
+      }
+    }
+
+    float mx[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) mx[r] = -inf;
+#pragma unroll
+    for (int e = 0; e < M::score_elems; ++e) {
+      const float x = M::elem_col(e) < kv ? st.x[e] * p.scale_log2 : -inf;
+      st.x[e] = x;
+      mx[M::elem_slot(e)] = fmaxf(mx[M::elem_slot(e)], x);
+    }
+    float base[R], alpha[R], sum[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const float mnew = fmaxf(m[r], M::row_max(mx[r]));
+      base[r] = mnew == -inf ? 0.f : mnew; // a row with nothing valid yet: keep exp2 away from inf - inf
+      alpha[r] = fast_exp2(m[r] - base[r]);
+      m[r] = mnew;
+      sum[r] = 0.f;
+    }
+#pragma unroll
+    for (int e = 0; e < M::score_elems; ++e) {
+      st.x[e] = fast_exp2(st.x[e] - base[M::elem_slot(e)]);
+      sum[M::elem_slot(e)] += st.x[e];
+    }
+    // Each lane keeps a partial row sum; the lanes of a row agree on m, so one reduction at the end suffices.
+#pragma unroll
+    for (int r = 0; r < R; ++r) l[r] = l[r] * alpha[r] + sum[r];
+#pragma unroll
+    for (int e = 0; e < M::out_elems; ++e) o.x[e] *= alpha[M::elem_slot(e)];
+    M::nn(o, st, sv(buf));
+
+    if (stages == 1) {
+      __syncthreads(); // every warp is done with the only stage before it is refilled
+      if (pos + 1 < end) load_kv(pos + 1, 0);
+      copy_commit();
+    }
+    copy_wait<0>();
+    __syncthreads();
+  }
+
+  float inv[R];
+  const int64_t rows_total = s.rows_total();
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const float total = M::row_sum(l[r]);
+    const int row = row0 + M::slot_row(r);
+    const bool live = row < q_valid && total > 0.f;
+    inv[r] = live ? 1.f / total : 0.f;
+    if ((Sched::has_padding_rows || row < q_valid) && M::row_leader())
+      p.lse[bh * rows_total + i * 64 + row] = live ? (m[r] + log2f(total)) * 0.6931471805599453f : inf;
+  }
+  uint16_t* out = p.o.tile(b, h, i);
+  const uint16_t* oc = p.o_c != nullptr ? p.o_c + (bh * s.tiles + i) * D : nullptr;
+  const uint16_t* gate = p.gate.data != nullptr ? p.gate.tile(b, h, i) : nullptr;
+#pragma unroll
+  for (int e = 0; e < M::out_elems; e += 2) {
+    const int row = row0 + M::elem_row(e), col = M::elem_col(e);
+    if (!Sched::has_padding_rows && row >= q_valid) continue;
+    const float sc = inv[M::elem_slot(e)];
+    float x0 = o.x[e] * sc, x1 = o.x[e + 1] * sc;
+    if (oc != nullptr && row < q_valid) {
+      const float g0 = gate ? E::to_float(gate[row * p.gate.token + col]) : 1.f;
+      const float g1 = gate ? E::to_float(gate[row * p.gate.token + col + 1]) : 1.f;
+      x0 += g0 * E::to_float(oc[col]);
+      x1 += g1 * E::to_float(oc[col + 1]);
+    }
+    *reinterpret_cast<uint32_t*>(out + row * p.o.token + col) = E::pack(x0, x1);
+  }
+}
+
+} // namespace detail
+} // namespace gpu
+} // namespace vsa

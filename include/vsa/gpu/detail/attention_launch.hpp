@@ -1,0 +1,78 @@
+// Host side of the attention kernels: the one place where run-time dtype and head dim become template
+// parameters, and where grids and shared-memory sizes are set.
+#pragma once
+
+#include "attention_backward.hpp"
+#include "attention_forward.hpp"
+
+#include <type_traits>
+
+namespace vsa {
+namespace gpu {
+namespace detail {
+
+template <class E, int D> struct kernel_config {
+  using element = E;
+  static constexpr int head_dim = D;
+};
+
+// Calls f(kernel_config<E, D>{}) for the problem's dtype and head dim (validated before: bf16/fp16, 64/128).
+template <class F> status dispatch(dtype t, int64_t d, F&& f) {
+  if (t == dtype::bf16 && d == 128) return f(kernel_config<bf16_type, 128>{});
+  if (t == dtype::bf16 && d == 64) return f(kernel_config<bf16_type, 64>{});
+  if (t == dtype::fp16 && d == 128) return f(kernel_config<fp16_type, 128>{});
+  if (t == dtype::fp16 && d == 64) return f(kernel_config<fp16_type, 64>{});
+  return status::error(errc::bad_argument, "no kernel for %s with head dim %lld", dtype_name(t), (long long)d);
+}
+
+template <class Kernel> status prepare(Kernel k, int smem_bytes) {
+  // Raising the dynamic shared-memory limit is idempotent and cheap; doing it on every launch keeps the
+  // library free of global state.
+  return runtime_status(allow_dynamic_shared(k, smem_bytes), "setting the kernel's shared-memory size");
+}
+
+template <class E, int D, class Sched>
+status launch_forward(const forward_params& fp, const Sched& s, int64_t batch, int64_t heads, stream_t stream) {
+  using M = warp_mma<E, D>;
+  const auto kernel = attention_forward_kernel<E, D, Sched>;
+  constexpr int smem = smem_plan<D>::forward_bytes;
+  status st = prepare(kernel, smem);
+  if (!st) return st;
+  const dim3 grid(static_cast<unsigned>(s.tiles), static_cast<unsigned>(heads), static_cast<unsigned>(batch));
+  kernel<<<grid, 4 * M::threads, smem, stream>>>(fp, s);
+  return launch_status("attention forward");
+}
+
+template <class E, int D, class Sched>
+status launch_delta(const delta_params& dp, const Sched& s, int64_t batch, stream_t stream) {
+  const int64_t rows = batch * dp.q_heads * dp.rows_total;
+  const int64_t rows_per_block = 256 / warp_size;
+  const int64_t blocks = (rows + rows_per_block - 1) / rows_per_block;
+  attention_delta_kernel<E, Sched><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(dp, s, rows);
+  return launch_status("attention delta");
+}
+
+template <class E, int D, class Sched>
+status launch_backward(const backward_params& bp, const Sched& q_sched, const Sched& k_sched, int64_t batch,
+                       stream_t stream) {
+  using M = warp_mma<E, D>;
+  constexpr int smem = smem_plan<D>::backward_bytes;
+  const auto dq_kernel = attention_dq_kernel<E, D, Sched>;
+  const auto dkdv_kernel = attention_dkdv_kernel<E, D, Sched>;
+  status st = prepare(dq_kernel, smem);
+  if (st) st = prepare(dkdv_kernel, smem);
+  if (!st) return st;
+  const dim3 qgrid(static_cast<unsigned>(q_sched.tiles), static_cast<unsigned>(bp.q_heads),
+                   static_cast<unsigned>(batch));
+  dq_kernel<<<qgrid, 4 * M::threads, smem, stream>>>(bp, q_sched);
+  st = launch_status("attention backward (dq)");
+  if (!st) return st;
+  const dim3 kgrid(static_cast<unsigned>(k_sched.tiles), static_cast<unsigned>(bp.kv_heads),
+                   static_cast<unsigned>(batch));
+  dkdv_kernel<<<kgrid, 4 * M::threads, smem, stream>>>(bp, k_sched);
+  return launch_status("attention backward (dk, dv)");
+}
+
+} // namespace detail
+} // namespace gpu
+} // namespace vsa

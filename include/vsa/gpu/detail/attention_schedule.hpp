@@ -1,0 +1,89 @@
+// What an attention kernel walks: which key tiles each query tile visits, and how many rows of each tile
+// are valid. Two schedules share every kernel:
+//   sparse_schedule  the fine pass: tiles of the video grid, key tiles from the q2k (or k2q) lists, valid
+//                    counts from the grid;
+//   dense_schedule   the coarse pass: the N tile means as a sequence of ⌈N/64⌉ row blocks, every query
+//                    block visiting every key block, the last block holding N mod 64 rows.
+#pragma once
+
+#include "../../geometry.hpp"
+#include "../runtime.hpp"
+
+namespace vsa {
+namespace gpu {
+namespace detail {
+
+// A [B, S, H, D] operand as the kernels address it (element strides, head dim contiguous).
+struct operand {
+  uint16_t* data;
+  int64_t batch, token, head;
+  __device__ __forceinline__ uint16_t* tile(int64_t b, int64_t h, int64_t tile_index) const {
+    return data + b * batch + h * head + tile_index * 64 * token;
+  }
+};
+template <class P> inline operand make_operand(const basic_tensor<P>& t) {
+  return {static_cast<uint16_t*>(const_cast<void*>(static_cast<const void*>(t.data))), t.batch_stride,
+          t.token_stride, t.head_stride};
+}
+// Contiguous [B, H, rows, D] (the tile means and coarse outputs).
+inline operand make_dense_operand(const void* data, int64_t heads, int64_t rows, int64_t head_dim) {
+  return {static_cast<uint16_t*>(const_cast<void*>(data)), heads * rows * head_dim, head_dim, rows * head_dim};
+}
+
+struct sparse_schedule {
+  static constexpr bool has_padding_rows = true; // tiled tensors hold all 64 slots of every tile
+  tile_geometry geo;
+  const int32_t* list;   // q2k rows (forward, dq) or packed k2q lists (dk, dv)
+  const int32_t* count;  // q2k_count, or null when offsets are used
+  const int32_t* offset; // k2q_offset, or null
+  int64_t capacity;      // q2k_capacity
+  int64_t tiles;         // N
+
+  __device__ __forceinline__ int64_t rows_total() const { return tiles * 64; }
+  // Range [begin, end) of list entries of (head bh, tile i). Counts and offsets come from the caller or
+  // from earlier kernels; they are clamped so that a corrupt list can cost results, never memory safety.
+  __device__ __forceinline__ void range(int64_t bh, int64_t i, int64_t& begin, int64_t& end) const {
+    const int64_t head = bh * tiles * capacity;
+    if (offset != nullptr) {
+      const int32_t* o = offset + bh * (tiles + 1) + i;
+      begin = head + clamp(o[0], 0, tiles * capacity);
+      end = head + clamp(o[1], 0, tiles * capacity);
+      if (end < begin) end = begin;
+    } else {
+      begin = (bh * tiles + i) * capacity;
+      end = begin + clamp(count[bh * tiles + i], 0, capacity);
+    }
+  }
+  // Entry at list position pos; -1 (a tile with no valid rows, never dereferenced) when out of range.
+  __device__ __forceinline__ int64_t at(int64_t pos) const {
+    const int64_t t = list[pos];
+    return t >= 0 && t < tiles ? t : -1;
+  }
+  __device__ __forceinline__ int valid(int64_t tile) const { return tile < 0 ? 0 : geo.valid(tile); }
+
+private:
+  __device__ __forceinline__ static int64_t clamp(int64_t x, int64_t lo, int64_t hi) {
+    return x < lo ? lo : (x > hi ? hi : x);
+  }
+};
+
+struct dense_schedule {
+  static constexpr bool has_padding_rows = false; // the last block's missing rows do not exist in memory
+  int64_t length; // N rows
+  int64_t tiles;  // ⌈N / 64⌉
+
+  __device__ __forceinline__ int64_t rows_total() const { return length; }
+  __device__ __forceinline__ int valid(int64_t tile) const {
+    const int64_t rest = length - tile * 64;
+    return rest < 64 ? static_cast<int>(rest) : 64;
+  }
+  __device__ __forceinline__ void range(int64_t, int64_t, int64_t& begin, int64_t& end) const {
+    begin = 0;
+    end = tiles;
+  }
+  __device__ __forceinline__ int64_t at(int64_t pos) const { return pos; }
+};
+
+} // namespace detail
+} // namespace gpu
+} // namespace vsa

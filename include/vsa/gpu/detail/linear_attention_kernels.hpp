@@ -1,0 +1,1004 @@
+// Kernels of the linear-attention branch. Per (batch, kv head) the sequence reduces to a D × D state
+// KV = Σ_j φ(k_j) v_jᵀ and a D-vector z = Σ_j φ(k_j); every query then reads o_i = φ(q_i)ᵀKV / (φ(q_i)·z + eps).
+//
+// Forward, three launches:
+//   state         one block per (slice of the sequence, batch, kv head): partial KV, z and Σ v over its
+//                 slice, into fp32 workspace records. One warp per 16 rows (d1) of KV: the warp reads the
+//                 transposed φ(K) band out of shared memory into a score tile and multiplies it by the V tile.
+//   state_reduce  adds the records of every slice in slice order (so the result never depends on timing) and
+//                 stores the state in the form the matrix cores read (below).
+//   apply         one block per (slice, batch, q head), one warp per 16 query rows: φ(Q) in registers, one
+//                 16 × D × D product per 64 tokens, the state staying in shared memory for the whole slice.
+// Backward, four more (after state and state_reduce): query_grad (dq, and per-slice partial dKV, dz from the
+// transposed φ(Q) band times dO), grad_reduce (over slices and over the q heads of each group, in a fixed
+// order), key_grad (dk, dv). No atomics anywhere: every sum has one owner and one order.
+//
+// Stored form of the state, chosen so that no 16-bit operand can overflow or lose its range, whatever the
+// sequence length or the magnitude of v (fp16 included):
+//   m = mean of v over the valid tokens; KV̄ = KV − z mᵀ = Σ_j φ(k_j)(v_j − m)ᵀ;
+//   σ[d1] = max_d2 |KV̄[d1, d2]|; KVn = KV̄ / σ (rows in [−1, 1]), rounded to the element type.
+//   o_i = (φ(q_i)·KV̄ + (φ(q_i)·z) m) / den_i, and φ(q_i)·KV̄ = β_i Σ_d1 P̂[i, d1] KVn[d1, :] with
+//   P[i, d1] = φ(q_i)[d1] σ[d1] / den_i and P̂ = P / β_i, β_i = max_d1 P[i, d1] (so P̂ is in [0, 1]).
+// Centering on m also keeps the backward accurate when v has a large common mean: the gradient terms
+// Σ_j φ(k_j)[d1] dO·(v_j − o_i) are formed from the centered state, never as a difference of two large sums.
+#pragma once
+
+#include "../../geometry.hpp"
+#include "../../types.hpp"
+#include "../arch/matrix.hpp"
+#include "attention_schedule.hpp"
+
+namespace vsa {
+namespace gpu {
+namespace detail {
+namespace linear {
+
+constexpr float log2e = 1.4426950408889634f;
+
+// Resident blocks each kernel is compiled for (NVIDIA's second launch bound; it caps registers per
+// thread at 64K / (threads · blocks)). HIP's second bound means something else, so AMD gets only the first.
+#if VSA_PLATFORM_NVIDIA
+#define VSA_LINEAR_BOUNDS(threads, blocks) __launch_bounds__(threads, blocks)
+#else
+#define VSA_LINEAR_BOUNDS(threads, blocks) __launch_bounds__(threads)
+#endif
+
+// Copies into shared memory are asynchronous on NVIDIA only; there a second stage lets the next tile stream
+// in while the current one is used. AMD's copy is a plain load and store, which a second stage cannot hide.
+#if VSA_PLATFORM_NVIDIA
+constexpr int copy_stages = 2;
+#else
+constexpr int copy_stages = 1;
+#endif
+
+// One fp32 record per (slice, head) of the partial sums: a D × D matrix, then two D-vectors.
+template <int D> struct record {
+  static constexpr int64_t matrix = 0, first = int64_t(D) * D, second = int64_t(D) * D + D;
+  static constexpr int64_t floats = int64_t(D) * D + 2 * D;
+};
+
+// Rows of the state matrix each reduce block owns.
+constexpr int reduce_rows = 4;
+
+// Warps of the blocks whose warps own rows of a D × D accumulator: enough bands per warp that the
+// accumulators take at most 64 fp32 registers a lane (a 16 × D band is D/2 registers on 32-lane warps,
+// D/4 on 64-lane wavefronts), and at least four warps.
+template <class E, int D> struct band_layout {
+  using M = warp_mma<E, D>;
+  static constexpr int fit = 64 / M::out_elems > 0 ? 64 / M::out_elems : 1;
+  static constexpr int bands = fit < D / 64 ? fit : D / 64; // bands of 16 rows per warp
+  static constexpr int warps = D / 16 / bands;
+  static constexpr int threads = warps * M::threads;
+  static_assert(warps >= 4, "the query gradient kernel gives 16 rows of a 64-row tile to each of four warps");
+};
+
+// The tokens of one head in chunks of 64: tiles in tiled order (the last slots of a partial tile are
+// padding), consecutive runs of 64 tokens in raster order (the last one may be short).
+struct sequence {
+  tile_geometry geo{grid3{}};
+  int64_t tokens; // S
+  int64_t chunks; // ⌈S / 64⌉
+  int tiled;
+  __device__ __forceinline__ int valid(int64_t c) const {
+    if (tiled) return geo.valid(c);
+    const int64_t rest = tokens - c * 64;
+    return rest < 64 ? static_cast<int>(rest) : 64;
+  }
+};
+
+// Units [begin, end) of slice `slice` of `slices` over `units`, as even as integers allow.
+__device__ __forceinline__ void slice_range(int64_t slice, int64_t slices, int64_t units, int64_t& begin,
+                                            int64_t& end) {
+  begin = slice * units / slices;
+  end = (slice + 1) * units / slices;
+}
+
+template <class E> __device__ __forceinline__ void unpack(const uint4& x, float (&f)[8]) {
+  const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = E::to_float(static_cast<uint16_t>(w[i] & 0xffffu));
+    f[2 * i + 1] = E::to_float(static_cast<uint16_t>(w[i] >> 16));
+  }
+}
+template <class E> __device__ __forceinline__ uint4 pack(const float (&f)[8]) {
+  return make_uint4(E::pack(f[0], f[1]), E::pack(f[2], f[3]), E::pack(f[4], f[5]), E::pack(f[6], f[7]));
+}
+
+// Maximum over the D threads of a block (D a multiple of the warp size); every thread gets it. `scratch`
+// holds D / warp_size floats of shared memory.
+template <int D> __device__ __forceinline__ float block_max(float v, float* scratch) {
+  constexpr int warps = D / warp_size;
+#pragma unroll
+  for (int o = warp_size / 2; o > 0; o >>= 1) v = fmaxf(v, shfl_xor(v, o));
+  if (warps == 1) return v;
+  if (threadIdx.x % warp_size == 0) scratch[threadIdx.x / warp_size] = v;
+  __syncthreads();
+  float r = scratch[0];
+#pragma unroll
+  for (int w = 1; w < warps; ++w) r = fmaxf(r, scratch[w]);
+  __syncthreads(); // scratch is reused by the next call
+  return r;
+}
+
+// ---- score tiles as D-wide row bands --------------------------------------------------------------------
+// A 16 × D band of a [64, D] shared tile is held as D / 64 score tiles (columns c·64 ...). Only the layer's
+// element map (elem_row, elem_col, elem_slot) and its row reductions are used, so this code runs unchanged
+// on every matrix backend. Like the attention kernels' epilogues, it relies on elements e and e + 1 (e even)
+// being adjacent columns of one row, and moves them as one 32-bit word.
+
+template <class E, int D, int T>
+__device__ __forceinline__ void load_band(typename warp_mma<E, D>::score_tile (&x)[T], smem_tile<D> t, int row0) {
+  using M = warp_mma<E, D>;
+#pragma unroll
+  for (int c = 0; c < T; ++c)
+#pragma unroll
+    for (int e = 0; e < M::score_elems; e += 2) {
+      const uint32_t w = *reinterpret_cast<const uint32_t*>(t.at(row0 + M::elem_row(e), c * 64 + M::elem_col(e)));
+      x[c].x[e] = E::to_float(static_cast<uint16_t>(w & 0xffffu));
+      x[c].x[e + 1] = E::to_float(static_cast<uint16_t>(w >> 16));
+    }
+}
+
+// φ over the head dim of every row of the band, in place.
+template <class E, int D, int T>
+__device__ __forceinline__ void feature_band(feature_map phi, typename warp_mma<E, D>::score_tile (&x)[T]) {
+  using M = warp_mma<E, D>;
+  constexpr int R = M::rows_per_lane;
+  if (phi == feature_map::softmax) {
+    float mx[R], sum[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) mx[r] = -__builtin_huge_valf(), sum[r] = 0.f;
+#pragma unroll
+    for (int c = 0; c < T; ++c)
+#pragma unroll
+      for (int e = 0; e < M::score_elems; ++e) mx[M::elem_slot(e)] = fmaxf(mx[M::elem_slot(e)], x[c].x[e]);
+#pragma unroll
+    for (int r = 0; r < R; ++r) mx[r] = M::row_max(mx[r]) * log2e;
+#pragma unroll
+    for (int c = 0; c < T; ++c)
+#pragma unroll
+      for (int e = 0; e < M::score_elems; ++e) {
+        const float y = fast_exp2(fmaf(x[c].x[e], log2e, -mx[M::elem_slot(e)]));
+        x[c].x[e] = y;
+        sum[M::elem_slot(e)] += y;
+      }
+#pragma unroll
+    for (int r = 0; r < R; ++r) sum[r] = 1.f / M::row_sum(sum[r]);
+#pragma unroll
+    for (int c = 0; c < T; ++c)
+#pragma unroll
+      for (int e = 0; e < M::score_elems; ++e) x[c].x[e] *= sum[M::elem_slot(e)];
+  } else if (phi == feature_map::elu1) {
+#pragma unroll
+    for (int c = 0; c < T; ++c)
+#pragma unroll
+      for (int e = 0; e < M::score_elems; ++e) {
+        const float v = x[c].x[e];
+        x[c].x[e] = v > 0.f ? v + 1.f : fast_exp2(v * log2e);
+      }
+  } else {
+#pragma unroll
+    for (int c = 0; c < T; ++c)
+#pragma unroll
+      for (int e = 0; e < M::score_elems; ++e) x[c].x[e] = fmaxf(x[c].x[e], 0.f);
+  }
+}
+
+// d ← (∂φ/∂x)ᵀ d, with a = φ(x). Each derivative is a function of a alone: softmax's Jacobian is
+// diag(a) − a aᵀ; elu(x)+1 has slope 1 where x > 0 (a > 1) and e^x = a elsewhere, i.e. min(a, 1); relu has
+// slope 1 where x > 0, i.e. where a > 0.
+template <class E, int D, int T>
+__device__ __forceinline__ void feature_backward_band(feature_map phi,
+                                                      const typename warp_mma<E, D>::score_tile (&a)[T],
+                                                      typename warp_mma<E, D>::score_tile (&d)[T]) {
+  using M = warp_mma<E, D>;
+  constexpr int R = M::rows_per_lane;
+  if (phi == feature_map::softmax) {
+    float inner[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) inner[r] = 0.f;
+#pragma unroll
+    for (int c = 0; c < T; ++c)
+#pragma unroll
+      for (int e = 0; e < M::score_elems; ++e) inner[M::elem_slot(e)] += a[c].x[e] * d[c].x[e];
+#pragma unroll
+    for (int r = 0; r < R; ++r) inner[r] = M::row_sum(inner[r]);
+#pragma unroll
+    for (int c = 0; c < T; ++c)
+#pragma unroll
+      for (int e = 0; e < M::score_elems; ++e) d[c].x[e] = a[c].x[e] * (d[c].x[e] - inner[M::elem_slot(e)]);
+  } else if (phi == feature_map::elu1) {
+#pragma unroll
+    for (int c = 0; c < T; ++c)
+#pragma unroll
+      for (int e = 0; e < M::score_elems; ++e) d[c].x[e] *= fminf(a[c].x[e], 1.f);
+  } else {
+#pragma unroll
+    for (int c = 0; c < T; ++c)
+#pragma unroll
+      for (int e = 0; e < M::score_elems; ++e) d[c].x[e] = a[c].x[e] > 0.f ? d[c].x[e] : 0.f;
+  }
+}
+
+// Writes a 16 × D fp32 band into rows row0 … of a shared tile, rounded to E. Adjacent elements e, e + 1
+// of the layer are adjacent columns of one row, so pairs go out as one 32-bit store.
+template <class E, int D>
+__device__ __forceinline__ void store_band(const typename warp_mma<E, D>::out_tile& o, smem_tile<D> t, int row0) {
+  using M = warp_mma<E, D>;
+#pragma unroll
+  for (int e = 0; e < M::out_elems; e += 2)
+    *reinterpret_cast<uint32_t*>(t.at(row0 + M::elem_row(e), M::elem_col(e))) = E::pack(o.x[e], o.x[e + 1]);
+}
+
+// Copies the 64 rows of a shared tile to global memory in 16-byte vectors: rows below `valid`, and zeros in
+// the rows from `valid` to `rows_out` (the padding slots of a tiled tensor; rows_out = valid in raster
+// order, whose short last chunk has no rows beyond the sequence).
+template <int D> __device__ __forceinline__ void store_tile(uint16_t* dst, int64_t row_stride, smem_tile<D> t,
+                                                            int valid, int rows_out, int tid, int nthreads) {
+  constexpr int chunks = smem_tile<D>::chunks;
+  for (int i = tid; i < rows_out * chunks; i += nthreads) {
+    const int r = i / chunks, c = i % chunks;
+    const uint4 v = r < valid ? *reinterpret_cast<const uint4*>(t.chunk(r, c)) : make_uint4(0u, 0u, 0u, 0u);
+    *reinterpret_cast<uint4*>(dst + r * row_stride + c * 8) = v;
+  }
+}
+
+// ---- forward: partial states --------------------------------------------------------------------------------
+
+struct state_params {
+  operand k, v;
+  sequence seq;
+  int64_t kv_heads, slices;
+  int64_t heads_total; // batch · kv_heads
+  float* partial;      // [slices, heads_total] records: KV (d1 rows), z, Σ v
+  feature_map phi;
+};
+
+template <class E, int D> struct state_shape {
+  using L = band_layout<E, D>;
+  static constexpr int threads = L::threads;
+  static constexpr int smem = 2 * copy_stages * smem_tile<D>::bytes;
+  static_assert(smem <= max_block_smem, "state tiles do not fit");
+  static_assert(threads / (D / 8) * D * 4 <= smem, "Σ v scratch does not fit");
+};
+
+template <class E, int D> __global__ void VSA_LINEAR_BOUNDS((band_layout<E, D>::threads), (D == 128 ? 2 : 3))
+    state_kernel(state_params p) {
+  using M = warp_mma<E, D>;
+  using L = band_layout<E, D>;
+  constexpr int nthreads = L::threads;
+  constexpr int R = M::rows_per_lane;
+  constexpr int bands = L::bands;
+  constexpr int stages = copy_stages;
+  // φ pass: `tpr` consecutive threads share a row, each converting `cpt` 16-byte chunks of it.
+  constexpr int tpr = nthreads / 64, cpt = D / 8 / tpr;
+  // Σ v: thread = (row group, 16-byte column chunk).
+  constexpr int vecs = D / 8, groups = nthreads / vecs, rows_per_group = 64 / groups;
+  static_assert(tpr >= 1 && cpt >= 1 && nthreads % 64 == 0 && 64 % groups == 0, "thread layout");
+
+  extern __shared__ uint4 smem_raw[];
+  uint16_t* sm = reinterpret_cast<uint16_t*>(smem_raw);
+  const auto sk = [&](int buf) { return smem_tile<D>{sm + (2 * buf) * 64 * D}; };
+  const auto sv = [&](int buf) { return smem_tile<D>{sm + (2 * buf + 1) * 64 * D}; };
+
+  const int64_t slice = blockIdx.x % p.slices, bh = blockIdx.x / p.slices;
+  const int64_t b = bh / p.kv_heads, hk = bh % p.kv_heads;
+  const int tid = threadIdx.x, warp = tid / M::threads;
+  int64_t begin, end;
+  slice_range(slice, p.slices, p.seq.chunks, begin, end);
+
+  const auto load = [&](int64_t c, int buf) {
+    const int valid = p.seq.valid(c);
+    copy_tile(sk(buf), p.k.tile(b, hk, c), p.k.token, valid, tid, nthreads);
+    copy_tile(sv(buf), p.v.tile(b, hk, c), p.v.token, valid, tid, nthreads);
+  };
+
+  typename M::out_tile acc[bands];
+  float zs[bands][R];
+#pragma unroll
+  for (int k = 0; k < bands; ++k) {
+#pragma unroll
+    for (int e = 0; e < M::out_elems; ++e) acc[k].x[e] = 0.f;
+#pragma unroll
+    for (int r = 0; r < R; ++r) zs[k][r] = 0.f;
+  }
+  float vs[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  const int vrow = tid / vecs, vcol = tid % vecs;
+  const int frow = tid / tpr, fpart = tid % tpr;
+
+  if (begin < end) load(begin, 0);
+  copy_commit();
+  for (int64_t c = begin; c < end; ++c) {
+    const int buf = stages == 2 ? static_cast<int>((c - begin) & 1) : 0;
+    copy_wait<0>();
+    __syncthreads();
+    if (stages == 2 && c + 1 < end) load(c + 1, buf ^ 1);
+    copy_commit();
+    const int valid = p.seq.valid(c);
+    const smem_tile<D> kt = sk(buf), vt = sv(buf);
+
+    // φ(k) of every row, in place, rounded to E; padding rows become 0 so that they add nothing to z.
+    // One 16-byte chunk at a time, to keep registers for the accumulators; softmax takes a first pass for
+    // the row's running maximum and sum of exponentials. Rows alternate which half of the chunks they
+    // start with, so that the two rows a quarter-warp touches fall on different banks.
+    {
+      const auto chunk_at = [&](int j) {
+        return reinterpret_cast<uint4*>(kt.chunk(frow, fpart + tpr * ((j + frow) % cpt)));
+      };
+      float mx = -__builtin_huge_valf(), sum = 0.f; // row maximum · log2(e), Σ 2^(x·log2(e) − mx)
+      if (p.phi == feature_map::softmax) {
+#pragma unroll
+        for (int j = 0; j < cpt; ++j) {
+          float x[8];
+          unpack<E>(*chunk_at(j), x);
+          float mc = x[0];
+#pragma unroll
+          for (int i = 1; i < 8; ++i) mc = fmaxf(mc, x[i]);
+          mc = fmaxf(mx, mc * log2e);
+          sum *= fast_exp2(mx - mc);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) sum += fast_exp2(fmaf(x[i], log2e, -mc));
+          mx = mc;
+        }
+#pragma unroll
+        for (int o = 1; o < tpr; o <<= 1) {
+          const float mo = shfl_xor(mx, o), so = shfl_xor(sum, o);
+          const float mn = fmaxf(mx, mo);
+          sum = sum * fast_exp2(mx - mn) + so * fast_exp2(mo - mn);
+          mx = mn;
+        }
+        sum = 1.f / sum;
+      }
+#pragma unroll
+      for (int j = 0; j < cpt; ++j) {
+        float x[8];
+        unpack<E>(*chunk_at(j), x);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const float v = x[i];
+          x[i] = frow >= valid                   ? 0.f
+                 : p.phi == feature_map::softmax ? fast_exp2(fmaf(v, log2e, -mx)) * sum
+                 : p.phi == feature_map::elu1    ? (v > 0.f ? v + 1.f : fast_exp2(v * log2e))
+                                                 : fmaxf(v, 0.f);
+        }
+        *chunk_at(j) = pack<E>(x);
+      }
+    }
+    // Σ v over the tile (padding rows were zero-filled by the copy).
+#pragma unroll
+    for (int r = 0; r < rows_per_group; ++r) {
+      float x[8];
+      unpack<E>(*reinterpret_cast<const uint4*>(vt.chunk(vrow + r * groups, vcol)), x);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) vs[i] += x[i];
+    }
+    __syncthreads();
+
+    // KV[d1 band] += φ(K)ᵀ[d1 band, 64 tokens] · V[64 tokens, D]; z[d1] = row sums of the same operand.
+#pragma unroll
+    for (int k = 0; k < bands; ++k) {
+      const int d0 = (warp * bands + k) * 16;
+      typename M::score_tile st;
+#pragma unroll
+      for (int e = 0; e < M::score_elems; ++e) {
+        const float x = E::to_float(*kt.at(M::elem_col(e), d0 + M::elem_row(e)));
+        st.x[e] = x;
+        zs[k][M::elem_slot(e)] += x;
+      }
+      M::nn(acc[k], st, vt);
+    }
+    if (stages == 1) {
+      __syncthreads(); // every warp is done with the only stage before it is refilled
+      if (c + 1 < end) load(c + 1, 0);
+      copy_commit();
+    }
+  }
+
+  copy_wait<0>(); // nothing may still be landing in shared memory when it is reused below
+
+  float* rec = p.partial + (slice * p.heads_total + bh) * record<D>::floats;
+#pragma unroll
+  for (int k = 0; k < bands; ++k) {
+    const int d0 = (warp * bands + k) * 16;
+#pragma unroll
+    for (int e = 0; e < M::out_elems; e += 2)
+      *reinterpret_cast<float2*>(rec + (d0 + M::elem_row(e)) * D + M::elem_col(e)) =
+          make_float2(acc[k].x[e], acc[k].x[e + 1]);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const float total = M::row_sum(zs[k][r]);
+      if (M::row_leader()) rec[record<D>::first + d0 + M::slot_row(r)] = total;
+    }
+  }
+  // Σ v: the row groups' partial sums, added in group order through shared memory.
+  __syncthreads();
+  float* red = reinterpret_cast<float*>(smem_raw);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) red[vrow * D + vcol * 8 + i] = vs[i];
+  __syncthreads();
+  if (tid < D) {
+    float total = 0.f;
+    for (int g = 0; g < groups; ++g) total += red[g * D + tid];
+    rec[record<D>::second + tid] = total;
+  }
+}
+
+// ---- forward: reduced state ------------------------------------------------------------------------------------
+
+// The state of one kv head as the apply and gradient kernels read it.
+struct state_view {
+  uint16_t* kvn; // [heads_total, D, D] KVn
+  float* vec;    // [heads_total, 3, D]: z, m, σ
+};
+
+struct state_reduce_params {
+  const float* partial;
+  int64_t slices, heads_total;
+  float inv_count; // 1 / number of valid tokens
+  state_view state;
+};
+
+template <class E, int D> __global__ void __launch_bounds__(D) state_reduce_kernel(state_reduce_params p) {
+  __shared__ float scratch[D / warp_size > 0 ? D / warp_size : 1];
+  constexpr int blocks_per_head = D / reduce_rows;
+  const int t = threadIdx.x;
+  const int64_t bh = blockIdx.x / blocks_per_head;
+  const int r0 = static_cast<int>(blockIdx.x % blocks_per_head) * reduce_rows;
+  const float* base = p.partial + bh * record<D>::floats;
+  const int64_t step = p.heads_total * record<D>::floats;
+
+  float vs = 0.f;
+  for (int64_t s = 0; s < p.slices; ++s) vs += base[s * step + record<D>::second + t];
+  const float m = vs * p.inv_count;
+  float* vec = p.state.vec + bh * 3 * D;
+  if (r0 == 0) vec[D + t] = m;
+#pragma unroll 1
+  for (int r = 0; r < reduce_rows; ++r) {
+    const int d1 = r0 + r;
+    float kv = 0.f, z = 0.f;
+    for (int64_t s = 0; s < p.slices; ++s) {
+      kv += base[s * step + d1 * D + t];
+      z += base[s * step + record<D>::first + d1];
+    }
+    const float centered = kv - z * m;
+    const float sigma = block_max<D>(fabsf(centered), scratch);
+    p.state.kvn[(bh * D + d1) * D + t] = E::from_float(sigma > 0.f ? centered / sigma : 0.f);
+    if (t == 0) {
+      vec[d1] = z;
+      vec[2 * D + d1] = sigma;
+    }
+  }
+}
+
+// ---- forward: apply -----------------------------------------------------------------------------------------
+
+struct apply_params {
+  operand q, o;
+  sequence seq;
+  int64_t q_heads, group, slices;
+  const uint16_t* kvn; // state_view::kvn
+  const float* vec;    // state_view::vec
+  float eps;
+  feature_map phi;
+};
+
+template <class E, int D> struct apply_shape {
+  static constexpr int threads = 4 * warp_mma<E, D>::threads;
+  static constexpr int smem = (D / 64 + copy_stages) * smem_tile<D>::bytes;
+  static_assert(smem <= max_block_smem, "apply tiles do not fit");
+};
+
+// Per row of the band (slot) of features a = φ(q): a·z and 1 / (a·z + eps).
+template <class E, int D>
+__device__ __forceinline__ void query_weights(typename warp_mma<E, D>::score_tile (&x)[D / 64], const float* vec,
+                                              float eps, float (&inv_den)[warp_mma<E, D>::rows_per_lane],
+                                              float (&az)[warp_mma<E, D>::rows_per_lane]) {
+  using M = warp_mma<E, D>;
+  constexpr int R = M::rows_per_lane, T = D / 64;
+  const float* z = vec;
+#pragma unroll
+  for (int r = 0; r < R; ++r) az[r] = 0.f;
+#pragma unroll
+  for (int c = 0; c < T; ++c)
+#pragma unroll
+    for (int e = 0; e < M::score_elems; ++e) az[M::elem_slot(e)] += x[c].x[e] * z[c * 64 + M::elem_col(e)];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    az[r] = M::row_sum(az[r]);
+    inv_den[r] = 1.f / (az[r] + eps);
+  }
+}
+
+template <class E, int D> __global__ void VSA_LINEAR_BOUNDS((apply_shape<E, D>::threads), (D == 128 ? 2 : 4))
+    apply_kernel(apply_params p) {
+  using M = warp_mma<E, D>;
+  constexpr int nthreads = apply_shape<E, D>::threads;
+  constexpr int R = M::rows_per_lane, T = D / 64;
+  constexpr int stages = copy_stages;
+
+  extern __shared__ uint4 smem_raw[];
+  uint16_t* sm = reinterpret_cast<uint16_t*>(smem_raw);
+  const auto skv = [&](int c) { return smem_tile<D>{sm + c * 64 * D}; };
+  const auto sq = [&](int buf) { return smem_tile<D>{sm + (T + buf) * 64 * D}; };
+
+  const int64_t slice = blockIdx.x % p.slices, bh = blockIdx.x / p.slices;
+  const int64_t b = bh / p.q_heads, h = bh % p.q_heads;
+  const int64_t bhk = b * (p.q_heads / p.group) + h / p.group;
+  const int tid = threadIdx.x, row0 = (tid / M::threads) * 16;
+  int64_t begin, end;
+  slice_range(slice, p.slices, p.seq.chunks, begin, end);
+  if (begin >= end) return;
+  const float* vec = p.vec + bhk * 3 * D;
+  const float *m = vec + D, *sigma = vec + 2 * D;
+
+#pragma unroll
+  for (int c = 0; c < T; ++c) copy_tile(skv(c), p.kvn + (bhk * D + c * 64) * D, D, 64, tid, nthreads);
+  if (begin < end) copy_tile(sq(0), p.q.tile(b, h, begin), p.q.token, p.seq.valid(begin), tid, nthreads);
+  copy_commit();
+
+  for (int64_t c = begin; c < end; ++c) {
+    const int buf = stages == 2 ? static_cast<int>((c - begin) & 1) : 0;
+    copy_wait<0>();
+    __syncthreads();
+    if (stages == 2 && c + 1 < end)
+      copy_tile(sq(buf ^ 1), p.q.tile(b, h, c + 1), p.q.token, p.seq.valid(c + 1), tid, nthreads);
+    copy_commit();
+    const int valid = p.seq.valid(c);
+
+    typename M::score_tile x[T];
+    load_band<E, D, T>(x, sq(buf), row0);
+    feature_band<E, D, T>(p.phi, x);
+    float inv_den[R], az[R], beta[R], inv_beta[R];
+    query_weights<E, D>(x, vec, p.eps, inv_den, az);
+#pragma unroll
+    for (int r = 0; r < R; ++r) beta[r] = 0.f;
+#pragma unroll
+    for (int cc = 0; cc < T; ++cc)
+#pragma unroll
+      for (int e = 0; e < M::score_elems; ++e) {
+        const float w = x[cc].x[e] * sigma[cc * 64 + M::elem_col(e)] * inv_den[M::elem_slot(e)];
+        x[cc].x[e] = w;
+        beta[M::elem_slot(e)] = fmaxf(beta[M::elem_slot(e)], w);
+      }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      beta[r] = M::row_max(beta[r]);
+      inv_beta[r] = beta[r] > 0.f ? 1.f / beta[r] : 0.f;
+    }
+#pragma unroll
+    for (int cc = 0; cc < T; ++cc)
+#pragma unroll
+      for (int e = 0; e < M::score_elems; ++e) x[cc].x[e] *= inv_beta[M::elem_slot(e)];
+    typename M::out_tile o;
+#pragma unroll
+    for (int e = 0; e < M::out_elems; ++e) o.x[e] = 0.f;
+#pragma unroll
+    for (int cc = 0; cc < T; ++cc) M::nn(o, x[cc], skv(cc));
+#pragma unroll
+    for (int e = 0; e < M::out_elems; ++e) {
+      const int s = M::elem_slot(e);
+      o.x[e] = beta[s] * o.x[e] + m[M::elem_col(e)] * (az[s] * inv_den[s]);
+    }
+
+    __syncthreads(); // the band's rows of Q are read; the stage now receives O
+    store_band<E, D>(o, sq(buf), row0);
+    __syncthreads();
+    store_tile<D>(p.o.tile(b, h, c), p.o.token, sq(buf), valid, p.seq.tiled ? 64 : valid, tid, nthreads);
+    if (stages == 1 && c + 1 < end) {
+      __syncthreads();
+      copy_tile(sq(0), p.q.tile(b, h, c + 1), p.q.token, p.seq.valid(c + 1), tid, nthreads);
+      copy_commit();
+    }
+  }
+}
+
+// ---- backward: query side --------------------------------------------------------------------------------
+
+struct query_grad_params {
+  operand q, d_o, dq;
+  sequence seq;
+  int64_t q_heads, group, slices;
+  int64_t heads_total; // batch · q_heads
+  const uint16_t* kvn;
+  const float* vec;
+  float eps;
+  feature_map phi;
+  float* partial; // [slices, heads_total] records: z-scaled dKV (d1 rows), z-scaled dz̄
+  float* rows;    // [slices · heads_total, 64]: the per-row factor g, handed from the row warps to the band warps
+};
+
+template <class E, int D> struct query_grad_shape {
+  using L = band_layout<E, D>;
+  static constexpr int threads = L::threads;
+  static constexpr int stages = (D / 64 + 2 * copy_stages) * smem_tile<D>::bytes <= max_block_smem ? copy_stages : 1;
+  static constexpr int smem = (D / 64 + 2 * stages) * smem_tile<D>::bytes;
+};
+
+// Per 64-token tile. The first four warps take 16 rows each: dq_i = φ'(q_i)ᵀ da_i with (module comment;
+// s = KVn · dO_i, u_i = dO_i · ô_i, ô_i = φ(q_i)·KV̄ / den_i, μ_i = m · dO_i, g_i = μ_i eps / den_i − u_i)
+//   da_i[d1] = (σ[d1] s[d1] + z[d1] g_i) / den_i,   Σ_d1 φ(q_i)[d1] da_i[d1] = u_i + g_i (φ(q_i)·z) / den_i.
+// Then every warp adds, for its bands of d1, dKV = Σ_i (φ(q_i) / den_i) dO_iᵀ and dz̄ = Σ_i (φ(q_i) / den_i) g_i
+// (dz̄ = dz + dKV m, the key side's centered form). The transposed operand φ(q_i)[d1] z[d1] / den_i is in
+// [0, 1] whatever the sequence length; the records carry that z scaling and grad_reduce removes it.
+// φ(q) waits for dq in 16-bit registers (E), which keeps the warps that also hold a 16 × D accumulator under
+// the register limit; everything else stays in fp32.
+template <class E, int D> __global__ void VSA_LINEAR_BOUNDS((band_layout<E, D>::threads), (D == 128 ? 1 : 2))
+    query_grad_kernel(query_grad_params p) {
+  using M = warp_mma<E, D>;
+  using L = band_layout<E, D>;
+  constexpr int nthreads = L::threads;
+  constexpr int R = M::rows_per_lane, T = D / 64;
+  constexpr int bands = L::bands;
+  constexpr int stages = query_grad_shape<E, D>::stages;
+
+  extern __shared__ uint4 smem_raw[];
+  uint16_t* sm = reinterpret_cast<uint16_t*>(smem_raw);
+  const auto skv = [&](int c) { return smem_tile<D>{sm + c * 64 * D}; };
+  const auto sq = [&](int buf) { return smem_tile<D>{sm + (T + 2 * buf) * 64 * D}; };      // Q, then φ(Q) z / den
+  const auto sdo = [&](int buf) { return smem_tile<D>{sm + (T + 2 * buf + 1) * 64 * D}; }; // dO
+
+  const int64_t slice = blockIdx.x % p.slices, bh = blockIdx.x / p.slices;
+  const int64_t b = bh / p.q_heads, h = bh % p.q_heads;
+  const int64_t bhk = b * (p.q_heads / p.group) + h / p.group;
+  const int tid = threadIdx.x, warp = tid / M::threads;
+  const bool row_warp = warp < 4;
+  const int row0 = (warp % 4) * 16;
+  int64_t begin, end;
+  slice_range(slice, p.slices, p.seq.chunks, begin, end);
+  const float* vec = p.vec + bhk * 3 * D;
+  const float *z = vec, *m = vec + D, *sigma = vec + 2 * D;
+  float* rows = p.rows + static_cast<int64_t>(blockIdx.x) * 64;
+
+  const auto load = [&](int64_t c, int buf) {
+    const int valid = p.seq.valid(c);
+    copy_tile(sq(buf), p.q.tile(b, h, c), p.q.token, valid, tid, nthreads);
+    copy_tile(sdo(buf), p.d_o.tile(b, h, c), p.d_o.token, valid, tid, nthreads);
+  };
+#pragma unroll
+  for (int c = 0; c < T; ++c) copy_tile(skv(c), p.kvn + (bhk * D + c * 64) * D, D, 64, tid, nthreads);
+  if (begin < end) load(begin, 0);
+  copy_commit();
+
+  typename M::out_tile acc[bands];
+  float zs[bands][R];
+#pragma unroll
+  for (int k = 0; k < bands; ++k) {
+#pragma unroll
+    for (int e = 0; e < M::out_elems; ++e) acc[k].x[e] = 0.f;
+#pragma unroll
+    for (int r = 0; r < R; ++r) zs[k][r] = 0.f;
+  }
+
+  for (int64_t c = begin; c < end; ++c) {
+    const int buf = stages == 2 ? static_cast<int>((c - begin) & 1) : 0;
+    copy_wait<0>();
+    __syncthreads();
+    if (stages == 2 && c + 1 < end) load(c + 1, buf ^ 1);
+    copy_commit();
+    const int valid = p.seq.valid(c);
+    const smem_tile<D> qt = sq(buf), dot = sdo(buf);
+
+    uint32_t a16[T][M::score_elems / 2]; // φ(q), two elements a word
+    float inv_den[R], gk[R];
+    if (row_warp) {
+      float az[R], u[R], mu[R];
+      {
+        typename M::score_tile a[T];
+        load_band<E, D, T>(a, qt, row0);
+        feature_band<E, D, T>(p.phi, a);
+        query_weights<E, D>(a, vec, p.eps, inv_den, az);
+#pragma unroll
+        for (int cc = 0; cc < T; ++cc)
+#pragma unroll
+          for (int e = 0; e < M::score_elems; e += 2) a16[cc][e / 2] = E::pack(a[cc].x[e], a[cc].x[e + 1]);
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r) u[r] = 0.f, mu[r] = 0.f;
+#pragma unroll
+      for (int cc = 0; cc < T; ++cc)
+#pragma unroll
+        for (int e = 0; e < M::score_elems; e += 2) {
+          const int col = cc * 64 + M::elem_col(e);
+          const uint32_t w = *reinterpret_cast<const uint32_t*>(dot.at(row0 + M::elem_row(e), col));
+          mu[M::elem_slot(e)] += m[col] * E::to_float(static_cast<uint16_t>(w & 0xffffu)) +
+                                 m[col + 1] * E::to_float(static_cast<uint16_t>(w >> 16));
+        }
+      typename M::score_tile s[T];
+#pragma unroll
+      for (int cc = 0; cc < T; ++cc) {
+#pragma unroll
+        for (int e = 0; e < M::score_elems; ++e) s[cc].x[e] = 0.f;
+        M::nt(s[cc], dot, row0, skv(cc));
+      }
+#pragma unroll
+      for (int cc = 0; cc < T; ++cc)
+#pragma unroll
+        for (int e = 0; e < M::score_elems; e += 2) {
+          const int col = cc * 64 + M::elem_col(e);
+          const float a0 = E::to_float(static_cast<uint16_t>(a16[cc][e / 2] & 0xffffu));
+          const float a1 = E::to_float(static_cast<uint16_t>(a16[cc][e / 2] >> 16));
+          u[M::elem_slot(e)] += a0 * sigma[col] * s[cc].x[e] + a1 * sigma[col + 1] * s[cc].x[e + 1];
+        }
+      float inner[R];
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        u[r] = M::row_sum(u[r]) * inv_den[r];
+        mu[r] = M::row_sum(mu[r]);
+        gk[r] = mu[r] * p.eps * inv_den[r] - u[r];
+        inner[r] = u[r] + gk[r] * az[r] * inv_den[r];
+      }
+      uint16_t* dq = p.dq.tile(b, h, c);
+#pragma unroll
+      for (int cc = 0; cc < T; ++cc)
+#pragma unroll
+        for (int e = 0; e < M::score_elems; e += 2) {
+          const int row = row0 + M::elem_row(e), col = cc * 64 + M::elem_col(e), sl = M::elem_slot(e);
+          float g[2];
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            const float a = E::to_float(static_cast<uint16_t>(a16[cc][e / 2] >> (16 * i)));
+            const float da = (sigma[col + i] * s[cc].x[e + i] + z[col + i] * gk[sl]) * inv_den[sl];
+            g[i] = p.phi == feature_map::softmax ? a * (da - inner[sl])
+                   : p.phi == feature_map::elu1  ? da * fminf(a, 1.f)
+                                                 : (a > 0.f ? da : 0.f);
+          }
+          if (row < valid)
+            *reinterpret_cast<uint32_t*>(dq + row * p.dq.token + col) = E::pack(g[0], g[1]);
+          else if (p.seq.tiled)
+            *reinterpret_cast<uint32_t*>(dq + row * p.dq.token + col) = 0u;
+        }
+    }
+    __syncthreads(); // every row warp has read its rows of Q: they now receive φ(q) z / den
+    if (row_warp) {
+#pragma unroll
+      for (int cc = 0; cc < T; ++cc)
+#pragma unroll
+        for (int e = 0; e < M::score_elems; e += 2) {
+          const int row = row0 + M::elem_row(e), col = cc * 64 + M::elem_col(e);
+          const float w = row < valid ? inv_den[M::elem_slot(e)] : 0.f;
+          const float a0 = E::to_float(static_cast<uint16_t>(a16[cc][e / 2] & 0xffffu));
+          const float a1 = E::to_float(static_cast<uint16_t>(a16[cc][e / 2] >> 16));
+          *reinterpret_cast<uint32_t*>(qt.at(row, col)) = E::pack(a0 * z[col] * w, a1 * z[col + 1] * w);
+        }
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int row = row0 + M::slot_row(r);
+        if (M::row_leader()) rows[row] = row < valid ? gk[r] : 0.f;
+      }
+    }
+    __syncthreads();
+
+    // dKV[d1 band] += Aᵀ[d1 band, tokens] · dO[tokens, D], dz̄[d1] += Aᵀ[d1, tokens] · g.
+#pragma unroll
+    for (int k = 0; k < bands; ++k) {
+      const int d0 = (warp * bands + k) * 16;
+      typename M::score_tile st;
+#pragma unroll
+      for (int e = 0; e < M::score_elems; ++e) {
+        const float x = E::to_float(*qt.at(M::elem_col(e), d0 + M::elem_row(e)));
+        st.x[e] = x;
+        zs[k][M::elem_slot(e)] += x * rows[M::elem_col(e)];
+      }
+      M::nn(acc[k], st, dot);
+    }
+    if (stages == 1 && c + 1 < end) {
+      __syncthreads(); // every warp is done with the only stage before it is refilled
+      load(c + 1, 0);
+      copy_commit();
+    }
+  }
+  copy_wait<0>(); // an empty slice still loaded the state
+
+  float* rec = p.partial + (slice * p.heads_total + bh) * record<D>::floats;
+#pragma unroll
+  for (int k = 0; k < bands; ++k) {
+    const int d0 = (warp * bands + k) * 16;
+#pragma unroll
+    for (int e = 0; e < M::out_elems; e += 2)
+      *reinterpret_cast<float2*>(rec + (d0 + M::elem_row(e)) * D + M::elem_col(e)) =
+          make_float2(acc[k].x[e], acc[k].x[e + 1]);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const float total = M::row_sum(zs[k][r]);
+      if (M::row_leader()) rec[record<D>::first + d0 + M::slot_row(r)] = total;
+    }
+  }
+}
+
+// ---- backward: reduced state gradient ---------------------------------------------------------------------
+
+// Gradient of the state of one kv head, summed over its group: dKVn = dKV / σ' (σ'[d1] = max_d2 |dKV|),
+// rounded to E, and the fp32 vectors dz̄, σ'.
+struct grad_view {
+  uint16_t* kvn; // [batch · kv_heads, D, D]
+  float* vec;    // [batch · kv_heads, 2, D]: dz̄, σ'
+};
+
+struct grad_reduce_params {
+  const float* partial; // query_grad records
+  int64_t slices, q_heads, kv_heads, group;
+  int64_t heads_total; // batch · q_heads (the records' head count)
+  const float* state_vec;
+  grad_view grad;
+};
+
+template <class E, int D> __global__ void __launch_bounds__(D) grad_reduce_kernel(grad_reduce_params p) {
+  __shared__ float scratch[D / warp_size > 0 ? D / warp_size : 1];
+  constexpr int blocks_per_head = D / reduce_rows;
+  const int t = threadIdx.x;
+  const int64_t bhk = blockIdx.x / blocks_per_head;
+  const int r0 = static_cast<int>(blockIdx.x % blocks_per_head) * reduce_rows;
+  const int64_t b = bhk / p.kv_heads, hk = bhk % p.kv_heads;
+  const int64_t step = p.heads_total * record<D>::floats;
+  const float* z = p.state_vec + bhk * 3 * D;
+  float* vec = p.grad.vec + bhk * 2 * D;
+#pragma unroll 1
+  for (int r = 0; r < reduce_rows; ++r) {
+    const int d1 = r0 + r;
+    float dkv = 0.f, dz = 0.f;
+    for (int64_t g = 0; g < p.group; ++g) {
+      const float* base = p.partial + (b * p.q_heads + hk * p.group + g) * record<D>::floats;
+      for (int64_t s = 0; s < p.slices; ++s) {
+        dkv += base[s * step + d1 * D + t];
+        dz += base[s * step + record<D>::first + d1];
+      }
+    }
+    // A channel that no key reaches (z = 0: relu only) has φ(k_j)[d1] = 0 and φ'(k_j)[d1] = 0 for every key,
+    // so its row of the gradient is never used; it is stored as 0.
+    const float unscale = z[d1] > 0.f ? 1.f / z[d1] : 0.f;
+    dkv *= unscale;
+    const float sigma = block_max<D>(fabsf(dkv), scratch);
+    p.grad.kvn[(bhk * D + d1) * D + t] = E::from_float(sigma > 0.f ? dkv / sigma : 0.f);
+    if (t == 0) {
+      vec[d1] = dz * unscale;
+      vec[D + d1] = sigma;
+    }
+  }
+}
+
+// ---- backward: key side -----------------------------------------------------------------------------------
+
+struct key_grad_params {
+  operand k, v, dk, dv;
+  sequence seq;
+  int64_t kv_heads, slices;
+  const float* state_vec; // for m
+  const uint16_t* grad_kvn;
+  const float* grad_vec;
+  feature_map phi;
+};
+
+template <class E, int D> struct key_grad_shape {
+  static constexpr int threads = 4 * warp_mma<E, D>::threads;
+  static constexpr int smem = (D / 64 + 2 * copy_stages) * smem_tile<D>::bytes;
+  static_assert(smem <= max_block_smem, "key-gradient tiles do not fit");
+};
+
+// dv_j = Σ_d1 φ(k_j)[d1] dKV[d1, :] = β_j Σ_d1 P̂[j, d1] dKVn[d1, :] (P = φ(k_j) σ', P̂ = P / β_j), and
+// dk_j = φ'(k_j)ᵀ db_j with db_j[d1] = σ'[d1] (dKVn (v_j − m))[d1] + dz̄[d1].
+template <class E, int D> __global__ void VSA_LINEAR_BOUNDS((key_grad_shape<E, D>::threads), (D == 128 ? 2 : 4))
+    key_grad_kernel(key_grad_params p) {
+  using M = warp_mma<E, D>;
+  constexpr int nthreads = key_grad_shape<E, D>::threads;
+  constexpr int R = M::rows_per_lane, T = D / 64;
+  constexpr int stages = copy_stages;
+
+  extern __shared__ uint4 smem_raw[];
+  uint16_t* sm = reinterpret_cast<uint16_t*>(smem_raw);
+  const auto sg = [&](int c) { return smem_tile<D>{sm + c * 64 * D}; };
+  const auto sk = [&](int buf) { return smem_tile<D>{sm + (T + 2 * buf) * 64 * D}; };
+  const auto sv = [&](int buf) { return smem_tile<D>{sm + (T + 2 * buf + 1) * 64 * D}; };
+
+  const int64_t slice = blockIdx.x % p.slices, bhk = blockIdx.x / p.slices;
+  const int64_t b = bhk / p.kv_heads, hk = bhk % p.kv_heads;
+  const int tid = threadIdx.x, row0 = (tid / M::threads) * 16;
+  int64_t begin, end;
+  slice_range(slice, p.slices, p.seq.chunks, begin, end);
+  if (begin >= end) return;
+  const float* m = p.state_vec + bhk * 3 * D + D;
+  const float *dz = p.grad_vec + bhk * 2 * D, *sigma = dz + D;
+
+  const auto load = [&](int64_t c, int buf) {
+    const int valid = p.seq.valid(c);
+    copy_tile(sk(buf), p.k.tile(b, hk, c), p.k.token, valid, tid, nthreads);
+    copy_tile(sv(buf), p.v.tile(b, hk, c), p.v.token, valid, tid, nthreads);
+  };
+#pragma unroll
+  for (int c = 0; c < T; ++c) copy_tile(sg(c), p.grad_kvn + (bhk * D + c * 64) * D, D, 64, tid, nthreads);
+  if (begin < end) load(begin, 0);
+  copy_commit();
+
+  for (int64_t c = begin; c < end; ++c) {
+    const int buf = stages == 2 ? static_cast<int>((c - begin) & 1) : 0;
+    copy_wait<0>();
+    __syncthreads();
+    if (stages == 2 && c + 1 < end) load(c + 1, buf ^ 1);
+    copy_commit();
+    const int valid = p.seq.valid(c);
+    const smem_tile<D> kt = sk(buf), vt = sv(buf);
+
+    // v − m, in place (valid rows only; the rest stay zero and their results are discarded).
+    for (int i = tid; i < valid * (D / 8); i += nthreads) {
+      const int r = i / (D / 8), cc = i % (D / 8);
+      uint4* at = reinterpret_cast<uint4*>(vt.chunk(r, cc));
+      float x[8];
+      unpack<E>(*at, x);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) x[j] -= m[cc * 8 + j];
+      *at = pack<E>(x);
+    }
+
+    typename M::score_tile f[T];
+    load_band<E, D, T>(f, kt, row0);
+    feature_band<E, D, T>(p.phi, f);
+
+    // dv.
+    float beta[R], inv_beta[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) beta[r] = 0.f;
+#pragma unroll
+    for (int cc = 0; cc < T; ++cc)
+#pragma unroll
+      for (int e = 0; e < M::score_elems; ++e)
+        beta[M::elem_slot(e)] = fmaxf(beta[M::elem_slot(e)], f[cc].x[e] * sigma[cc * 64 + M::elem_col(e)]);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      beta[r] = M::row_max(beta[r]);
+      inv_beta[r] = beta[r] > 0.f ? 1.f / beta[r] : 0.f;
+    }
+    typename M::out_tile o;
+#pragma unroll
+    for (int e = 0; e < M::out_elems; ++e) o.x[e] = 0.f;
+#pragma unroll
+    for (int cc = 0; cc < T; ++cc) {
+      typename M::score_tile w;
+#pragma unroll
+      for (int e = 0; e < M::score_elems; ++e)
+        w.x[e] = f[cc].x[e] * sigma[cc * 64 + M::elem_col(e)] * inv_beta[M::elem_slot(e)];
+      M::nn(o, w, sg(cc));
+    }
+#pragma unroll
+    for (int e = 0; e < M::out_elems; ++e) o.x[e] *= beta[M::elem_slot(e)];
+    __syncthreads(); // v − m is complete, and every warp has read its rows of K: they now receive dv
+    store_band<E, D>(o, kt, row0);
+
+    // dk.
+    typename M::score_tile s[T];
+#pragma unroll
+    for (int cc = 0; cc < T; ++cc) {
+#pragma unroll
+      for (int e = 0; e < M::score_elems; ++e) s[cc].x[e] = 0.f;
+      M::nt(s[cc], vt, row0, sg(cc));
+    }
+#pragma unroll
+    for (int cc = 0; cc < T; ++cc)
+#pragma unroll
+      for (int e = 0; e < M::score_elems; ++e) {
+        const int col = cc * 64 + M::elem_col(e);
+        s[cc].x[e] = sigma[col] * s[cc].x[e] + dz[col];
+      }
+    feature_backward_band<E, D, T>(p.phi, f, s);
+    __syncthreads(); // every warp has read its rows of v − m: they now receive dk
+#pragma unroll
+    for (int cc = 0; cc < T; ++cc)
+#pragma unroll
+      for (int e = 0; e < M::score_elems; e += 2)
+        *reinterpret_cast<uint32_t*>(vt.at(row0 + M::elem_row(e), cc * 64 + M::elem_col(e))) =
+            E::pack(s[cc].x[e], s[cc].x[e + 1]);
+    __syncthreads();
+    const int rows_out = p.seq.tiled ? 64 : valid;
+    store_tile<D>(p.dv.tile(b, hk, c), p.dv.token, kt, valid, rows_out, tid, nthreads);
+    store_tile<D>(p.dk.tile(b, hk, c), p.dk.token, vt, valid, rows_out, tid, nthreads);
+    if (stages == 1 && c + 1 < end) {
+      __syncthreads();
+      load(c + 1, 0);
+      copy_commit();
+    }
+  }
+}
+
+} // namespace linear
+} // namespace detail
+} // namespace gpu
+} // namespace vsa

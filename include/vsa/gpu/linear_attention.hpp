@@ -1,0 +1,325 @@
+// The linear-attention branch on the GPU, forward and backward:
+//   o_i = φ(q_i)·(Σ_j φ(k_j) v_jᵀ) / (φ(q_i)·Σ_j φ(k_j) + eps)
+// over the valid tokens j of the whole sequence, per batch and query head h (kv head h / (Hq / Hkv)).
+// Tiled tensors hold N·64 slots whose padding slots are left out of the sums and written 0; raster tensors
+// hold T·H·W tokens. The kernels and the stored form of the state are described in
+// detail/linear_attention_kernels.hpp.
+//
+// Scratch memory follows the two-phase convention: called with workspace == nullptr, an entry point sets
+// workspace_bytes and returns. The size depends on the problem and on the current device (how many blocks
+// it keeps resident), so query it on the device that runs the call. Results are bitwise reproducible on a
+// given device: every sum is taken by one thread in a fixed order.
+#pragma once
+
+#include "../geometry.hpp"
+#include "../validate.hpp"
+#include "detail/linear_attention_kernels.hpp"
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+
+namespace vsa {
+namespace gpu {
+namespace detail {
+namespace linear {
+
+template <class E, int D> struct config {
+  using element = E;
+  static constexpr int head_dim = D;
+};
+
+// Calls f(config<E, D>{}) for the problem's dtype and head dim (validated before: bf16/fp16, 64/128).
+template <class F> status dispatch(dtype t, int64_t d, F&& f) {
+  if (t == dtype::bf16 && d == 128) return f(config<bf16_type, 128>{});
+  if (t == dtype::bf16 && d == 64) return f(config<bf16_type, 64>{});
+  if (t == dtype::fp16 && d == 128) return f(config<fp16_type, 128>{});
+  if (t == dtype::fp16 && d == 64) return f(config<fp16_type, 64>{});
+  return status::error(errc::bad_argument, "no kernel for %s with head dim %lld", dtype_name(t), (long long)d);
+}
+
+inline status check_arguments(const problem& p, feature_map phi, float eps, token_order order) {
+  status s = check_problem(p, target::gpu);
+  if (!s) return s;
+  const int f = static_cast<int>(phi), o = static_cast<int>(order);
+  if (f < 0 || f > 2) return status::error(errc::bad_argument, "phi: not a feature_map value (%d)", f);
+  if (!(eps >= 0.0f) || !std::isfinite(eps))
+    return status::error(errc::bad_argument, "eps: must be >= 0 and finite, got %g", static_cast<double>(eps));
+  if (o < 0 || o > 1) return status::error(errc::bad_argument, "order: not a token_order value (%d)", o);
+  return status::ok();
+}
+
+inline int64_t sequence_tokens(const problem& p, token_order order) {
+  const tile_geometry geo(p.grid);
+  return order == token_order::tiled ? geo.tiled_tokens() : geo.raster_tokens();
+}
+
+inline sequence make_sequence(const problem& p, token_order order) {
+  const tile_geometry geo(p.grid);
+  const int64_t tokens = sequence_tokens(p, order);
+  return {geo, tokens, (tokens + 63) / 64, order == token_order::tiled ? 1 : 0};
+}
+
+// Blocks of `kernel` the device keeps resident at once (multiprocessors × blocks per multiprocessor).
+template <class Kernel> status resident_blocks(Kernel kernel, int threads, int smem, int64_t& slots) {
+  status s = runtime_status(allow_dynamic_shared(kernel, smem), "setting the kernel's shared-memory size");
+  int device = 0, sms = 0, per_sm = 0;
+  if (s) s = runtime_status(current_device(&device), "querying the current device");
+  if (s) s = runtime_status(multiprocessor_count(&sms, device), "querying the multiprocessor count");
+#if VSA_RUNTIME_HIP
+  if (s)
+    s = runtime_status(hipOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, reinterpret_cast<const void*>(kernel),
+                                                                    threads, static_cast<std::size_t>(smem)),
+                       "querying the kernel's occupancy");
+#else
+  if (s)
+    s = runtime_status(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, static_cast<std::size_t>(smem)),
+        "querying the kernel's occupancy");
+#endif
+  if (!s) return s;
+  slots = static_cast<int64_t>(std::max(sms, 1)) * std::max(per_sm, 1);
+  return status::ok();
+}
+
+// Slices per head for `heads` heads of `units` work units each, on `slots` resident blocks: the count that
+// minimizes (rounds of blocks) × (units per block + `extra`, a slice's fixed cost in units), the smaller
+// count on ties. Equal slices run as one round where they can, without a short last round.
+inline int64_t choose_slices(int64_t heads, int64_t units, int64_t slots, int64_t extra) {
+  int64_t best = 1, best_cost = -1;
+  const int64_t limit = std::min<int64_t>(std::max<int64_t>(units, 1), 4 * slots);
+  for (int64_t s = 1; s <= limit; ++s) {
+    const int64_t rounds = (heads * s + slots - 1) / slots;
+    const int64_t cost = rounds * ((units + s - 1) / s + extra);
+    if (best_cost < 0 || cost < best_cost) best = s, best_cost = cost;
+  }
+  return best;
+}
+
+inline std::size_t round_up(std::size_t n) { return (n + 255) / 256 * 256; }
+
+// Slices and workspace offsets of one call.
+struct plan {
+  int64_t heads_kv = 0, heads_q = 0;
+  int64_t slices_state = 0, slices_apply = 0, slices_query = 0, slices_key = 0;
+  std::size_t partial = 0, state_kvn = 0, state_vec = 0, grad_kvn = 0, grad_vec = 0, rows = 0, bytes = 0;
+
+  template <class T> T* at(void* base, std::size_t off) const {
+    return reinterpret_cast<T*>(static_cast<unsigned char*>(base) + off);
+  }
+};
+
+template <class E, int D> status make_plan(const problem& p, token_order order, bool backward, plan& w) {
+  const sequence seq = make_sequence(p, order);
+  w.heads_kv = p.batch * p.kv_heads;
+  w.heads_q = p.batch * p.q_heads;
+  int64_t slots = 0;
+  status s = resident_blocks(state_kernel<E, D>, state_shape<E, D>::threads, state_shape<E, D>::smem, slots);
+  if (!s) return s;
+  // A slice's record is (D + 2) / 64 chunks' worth of K and V traffic, written once and read back once.
+  w.slices_state = choose_slices(w.heads_kv, seq.chunks, slots, 2 * ((D + 2 + 63) / 64));
+  if (!backward) {
+    s = resident_blocks(apply_kernel<E, D>, apply_shape<E, D>::threads, apply_shape<E, D>::smem, slots);
+    if (!s) return s;
+    w.slices_apply = choose_slices(w.heads_q, seq.chunks, slots, 1);
+  } else {
+    s = resident_blocks(query_grad_kernel<E, D>, query_grad_shape<E, D>::threads, query_grad_shape<E, D>::smem, slots);
+    if (!s) return s;
+    w.slices_query = choose_slices(w.heads_q, seq.chunks, slots, 2 * ((D + 2 + 63) / 64));
+    s = resident_blocks(key_grad_kernel<E, D>, key_grad_shape<E, D>::threads, key_grad_shape<E, D>::smem, slots);
+    if (!s) return s;
+    w.slices_key = choose_slices(w.heads_kv, seq.chunks, slots, 1);
+  }
+  const int64_t blocks = std::max({w.heads_kv * w.slices_state, w.heads_q * std::max(w.slices_apply, w.slices_query),
+                                   w.heads_kv * w.slices_key, w.heads_kv * (D / reduce_rows)});
+  if (blocks > INT_MAX)
+    return status::error(errc::bad_grid, "batch x heads: %lld blocks are more than one launch takes",
+                         (long long)blocks);
+
+  const std::size_t rec = sizeof(float) * static_cast<std::size_t>(record<D>::floats);
+  const std::size_t records = static_cast<std::size_t>(
+      std::max(w.slices_state * w.heads_kv, backward ? w.slices_query * w.heads_q : int64_t(0)));
+  const std::size_t hk = static_cast<std::size_t>(w.heads_kv), d = D;
+  std::size_t off = 0;
+  const auto take = [&](std::size_t bytes) {
+    const std::size_t at = off;
+    off += round_up(bytes);
+    return at;
+  };
+  w.partial = take(records * rec);
+  w.state_kvn = take(hk * d * d * 2);
+  w.state_vec = take(hk * 3 * d * sizeof(float));
+  if (backward) {
+    w.grad_kvn = take(hk * d * d * 2);
+    w.grad_vec = take(hk * 2 * d * sizeof(float));
+    w.rows = take(static_cast<std::size_t>(w.slices_query * w.heads_q) * 64 * sizeof(float));
+  }
+  w.bytes = off;
+  return status::ok();
+}
+
+// Launches of the stages; each returns the launch's status.
+template <class E, int D> status run_state(const problem& p, const plan& w, const sequence& seq, feature_map phi,
+                                           const_tensor k, const_tensor v, void* workspace, stream_t stream) {
+  state_params sp{};
+  sp.k = make_operand(k);
+  sp.v = make_operand(v);
+  sp.seq = seq;
+  sp.kv_heads = p.kv_heads;
+  sp.slices = w.slices_state;
+  sp.heads_total = w.heads_kv;
+  sp.partial = w.at<float>(workspace, w.partial);
+  sp.phi = phi;
+  state_kernel<E, D><<<static_cast<unsigned>(w.heads_kv * w.slices_state), state_shape<E, D>::threads,
+                       state_shape<E, D>::smem, stream>>>(sp);
+  status s = launch_status("linear attention (state)");
+  if (!s) return s;
+
+  state_reduce_params rp{};
+  rp.partial = sp.partial;
+  rp.slices = w.slices_state;
+  rp.heads_total = w.heads_kv;
+  rp.inv_count = static_cast<float>(1.0 / static_cast<double>(tile_geometry(p.grid).raster_tokens()));
+  rp.state = {w.at<uint16_t>(workspace, w.state_kvn), w.at<float>(workspace, w.state_vec)};
+  state_reduce_kernel<E, D><<<static_cast<unsigned>(w.heads_kv * (D / reduce_rows)), D, 0, stream>>>(rp);
+  return launch_status("linear attention (state reduction)");
+}
+
+} // namespace linear
+} // namespace detail
+} // namespace gpu
+
+// o_l [B, S, Hq, D]: the linear-attention branch of q [B, S, Hq, D] over k, v [B, S, Hkv, D]. S = N·64
+// (tiled order; padding slots are excluded and written 0) or T·H·W (raster order). eps >= 0.
+inline status linear_attention_forward(const problem& p, feature_map phi, float eps, token_order order, const_tensor q,
+                                       const_tensor k, const_tensor v, tensor o_l, void* workspace,
+                                       std::size_t& workspace_bytes, gpu::stream_t stream) {
+  namespace gl = gpu::detail::linear;
+  status s = gl::check_arguments(p, phi, eps, order);
+  if (!s) return s;
+  return gl::dispatch(p.type, p.head_dim, [&](auto cfg) -> status {
+    using C = decltype(cfg);
+    using E = typename C::element;
+    constexpr int D = C::head_dim;
+    gl::plan w;
+    status st = gl::make_plan<E, D>(p, order, false, w);
+    if (!st) return st;
+    if (workspace == nullptr) {
+      workspace_bytes = w.bytes;
+      return status::ok();
+    }
+    const int64_t tokens = gl::sequence_tokens(p, order);
+    if (st) st = check_tensor("q", q, p, p.q_heads, tokens, target::gpu);
+    if (st) st = check_tensor("k", k, p, p.kv_heads, tokens, target::gpu);
+    if (st) st = check_tensor("v", v, p, p.kv_heads, tokens, target::gpu);
+    if (st) st = check_tensor("o_l", o_l, p, p.q_heads, tokens, target::gpu);
+    if (st) st = check_workspace(workspace, workspace_bytes, w.bytes);
+    if (!st) return st;
+
+    const gl::sequence seq = gl::make_sequence(p, order);
+    st = gl::run_state<E, D>(p, w, seq, phi, k, v, workspace, stream);
+    if (!st) return st;
+    gl::apply_params ap{};
+    ap.q = gpu::detail::make_operand(q);
+    ap.o = gpu::detail::make_operand(o_l);
+    ap.seq = seq;
+    ap.q_heads = p.q_heads;
+    ap.group = p.q_heads / p.kv_heads;
+    ap.slices = w.slices_apply;
+    ap.kvn = w.at<uint16_t>(workspace, w.state_kvn);
+    ap.vec = w.at<float>(workspace, w.state_vec);
+    ap.eps = eps;
+    ap.phi = phi;
+    gl::apply_kernel<E, D><<<static_cast<unsigned>(w.heads_q * w.slices_apply), gl::apply_shape<E, D>::threads,
+                             gl::apply_shape<E, D>::smem, stream>>>(ap);
+    return gpu::launch_status("linear attention (apply)");
+  });
+}
+
+// dq [B, S, Hq, D], dk and dv [B, S, Hkv, D] of linear_attention_forward given d_o = dL/do_l (same order
+// and layout rules; dk and dv sum over the q heads of each group). The state is recomputed from k and v.
+inline status linear_attention_backward(const problem& p, feature_map phi, float eps, token_order order, const_tensor q,
+                                        const_tensor k, const_tensor v, const_tensor d_o, tensor dq, tensor dk,
+                                        tensor dv, void* workspace, std::size_t& workspace_bytes,
+                                        gpu::stream_t stream) {
+  namespace gl = gpu::detail::linear;
+  status s = gl::check_arguments(p, phi, eps, order);
+  if (!s) return s;
+  return gl::dispatch(p.type, p.head_dim, [&](auto cfg) -> status {
+    using C = decltype(cfg);
+    using E = typename C::element;
+    constexpr int D = C::head_dim;
+    gl::plan w;
+    status st = gl::make_plan<E, D>(p, order, true, w);
+    if (!st) return st;
+    if (workspace == nullptr) {
+      workspace_bytes = w.bytes;
+      return status::ok();
+    }
+    const int64_t tokens = gl::sequence_tokens(p, order);
+    if (st) st = check_tensor("q", q, p, p.q_heads, tokens, target::gpu);
+    if (st) st = check_tensor("k", k, p, p.kv_heads, tokens, target::gpu);
+    if (st) st = check_tensor("v", v, p, p.kv_heads, tokens, target::gpu);
+    if (st) st = check_tensor("d_o", d_o, p, p.q_heads, tokens, target::gpu);
+    if (st) st = check_tensor("dq", dq, p, p.q_heads, tokens, target::gpu);
+    if (st) st = check_tensor("dk", dk, p, p.kv_heads, tokens, target::gpu);
+    if (st) st = check_tensor("dv", dv, p, p.kv_heads, tokens, target::gpu);
+    if (st) st = check_workspace(workspace, workspace_bytes, w.bytes);
+    if (!st) return st;
+
+    const gl::sequence seq = gl::make_sequence(p, order);
+    st = gl::run_state<E, D>(p, w, seq, phi, k, v, workspace, stream);
+    if (!st) return st;
+
+    gl::query_grad_params qp{};
+    qp.q = gpu::detail::make_operand(q);
+    qp.d_o = gpu::detail::make_operand(d_o);
+    qp.dq = gpu::detail::make_operand(dq);
+    qp.seq = seq;
+    qp.q_heads = p.q_heads;
+    qp.group = p.q_heads / p.kv_heads;
+    qp.slices = w.slices_query;
+    qp.heads_total = w.heads_q;
+    qp.kvn = w.at<uint16_t>(workspace, w.state_kvn);
+    qp.vec = w.at<float>(workspace, w.state_vec);
+    qp.eps = eps;
+    qp.phi = phi;
+    qp.partial = w.at<float>(workspace, w.partial);
+    qp.rows = w.at<float>(workspace, w.rows);
+    gl::query_grad_kernel<E, D><<<static_cast<unsigned>(w.heads_q * w.slices_query),
+                                  gl::query_grad_shape<E, D>::threads, gl::query_grad_shape<E, D>::smem, stream>>>(qp);
+    st = gpu::launch_status("linear attention backward (query side)");
+    if (!st) return st;
+
+    gl::grad_reduce_params rp{};
+    rp.partial = qp.partial;
+    rp.slices = w.slices_query;
+    rp.q_heads = p.q_heads;
+    rp.kv_heads = p.kv_heads;
+    rp.group = qp.group;
+    rp.heads_total = w.heads_q;
+    rp.state_vec = qp.vec;
+    rp.grad = {w.at<uint16_t>(workspace, w.grad_kvn), w.at<float>(workspace, w.grad_vec)};
+    gl::grad_reduce_kernel<E, D><<<static_cast<unsigned>(w.heads_kv * (D / gl::reduce_rows)), D, 0, stream>>>(rp);
+    st = gpu::launch_status("linear attention backward (state gradient)");
+    if (!st) return st;
+
+    gl::key_grad_params kp{};
+    kp.k = gpu::detail::make_operand(k);
+    kp.v = gpu::detail::make_operand(v);
+    kp.dk = gpu::detail::make_operand(dk);
+    kp.dv = gpu::detail::make_operand(dv);
+    kp.seq = seq;
+    kp.kv_heads = p.kv_heads;
+    kp.slices = w.slices_key;
+    kp.state_vec = qp.vec;
+    kp.grad_kvn = rp.grad.kvn;
+    kp.grad_vec = rp.grad.vec;
+    kp.phi = phi;
+    gl::key_grad_kernel<E, D><<<static_cast<unsigned>(w.heads_kv * w.slices_key), gl::key_grad_shape<E, D>::threads,
+                                gl::key_grad_shape<E, D>::smem, stream>>>(kp);
+    return gpu::launch_status("linear attention backward (key side)");
+  });
+}
+
+} // namespace vsa

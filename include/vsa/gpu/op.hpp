@@ -1,0 +1,274 @@
+// The whole video sparse attention op on the GPU, forward and backward, behind one workspace.
+//
+// Forward: block means → coarse attention (o_c, lse_c and the scores) → top-k → q2k → k2q → sparse
+// attention with o = o_s + g ⊙ o_c written by its epilogue. What the backward needs stays in the
+// workspace: the means, o_c, lse_c, the index lists and the fine log-sum-exp.
+// Backward: dgate and the tile sums of g ⊙ dO → coarse attention backward (fp32 dq_c, dk_c, dv_c) →
+// delta = rowsum(dO ⊙ (o − g ⊙ o_c)) → dq walking q2k and dk, dv walking k2q, each adding the block-mean
+// backward of the coarse gradients (d·_c / valid count, on every valid slot of the tile) in its epilogue.
+#pragma once
+
+#include "block_means.hpp"
+#include "coarse_attention.hpp"
+#include "combine.hpp"
+#include "index.hpp"
+#include "select.hpp"
+#include "sparse_attention.hpp"
+
+namespace vsa {
+
+namespace detail {
+
+// Offsets of everything the op keeps in its workspace. The forward's part comes first and is what the
+// backward reads; the backward's scratch follows it.
+struct op_workspace {
+  bool coarse = false; // false when the caller supplied the q2k lists
+  int64_t top_k = 0, capacity = 0;
+  std::size_t q_c = 0, k_c = 0, v_c = 0, o_c = 0, lse_c = 0, scores = 0, q2k = 0, q2k_count = 0, k2q = 0,
+              k2q_offset = 0, lse = 0, select_scratch = 0, index_scratch = 0, forward_bytes = 0;
+  std::size_t d_o_c = 0, dq_c = 0, dk_c = 0, dv_c = 0, coarse_scratch = 0, sparse_scratch = 0, backward_bytes = 0;
+
+  template <class T = void> T* at(void* base, std::size_t off) const {
+    return reinterpret_cast<T*>(static_cast<unsigned char*>(base) + off);
+  }
+};
+
+inline status plan_op(const problem& p, const options& opt, op_workspace& w) {
+  status s = check_problem(p, target::gpu);
+  if (!s) return s;
+  const int64_t n = tile_geometry(p.grid).num_tiles(), bh = p.batch * p.q_heads, bhk = p.batch * p.kv_heads;
+  const std::size_t e = dtype_size(p.type), d = static_cast<std::size_t>(p.head_dim);
+  w.coarse = opt.q2k.q2k == nullptr;
+  if (w.coarse) {
+    w.top_k = resolve_top_k(n, opt);
+    if (w.top_k == 0)
+      return status::error(errc::bad_top_k, "top_k/sparsity: k = %lld, sparsity = %g do not give k in 1..%lld",
+                           (long long)opt.top_k, opt.sparsity, (long long)n);
+    w.capacity = w.top_k;
+  } else {
+    w.capacity = opt.q2k.q2k_capacity;
+    if (w.capacity < 1 || w.capacity > n)
+      return status::error(errc::bad_index, "q2k_capacity: must be in 1..%lld, got %lld", (long long)n,
+                           (long long)w.capacity);
+  }
+  std::size_t off = 0;
+  const auto take = [&](std::size_t bytes) {
+    const std::size_t at = off;
+    off += align_up(bytes);
+    return at;
+  };
+  if (w.coarse) {
+    w.q_c = take(bh * n * d * e);
+    w.k_c = take(bhk * n * d * e);
+    w.v_c = take(bhk * n * d * e);
+    w.o_c = take(bh * n * d * e);
+    w.lse_c = take(bh * n * sizeof(float));
+    w.q2k = take(bh * n * w.capacity * sizeof(int32_t));
+    w.q2k_count = take(bh * n * sizeof(int32_t));
+  }
+  w.k2q = take(bh * n * w.capacity * sizeof(int32_t));
+  w.k2q_offset = take(bh * (n + 1) * sizeof(int32_t));
+  w.lse = take(bh * n * 64 * sizeof(float));
+  // Scratch of the forward only: the N×N scores and the selection's and index builder's own workspaces.
+  const std::size_t saved = off;
+  index_lists probe{};
+  probe.q2k_capacity = w.capacity;
+  std::size_t select_bytes = 0, index_bytes = 0;
+  if (w.coarse) {
+    w.scores = take(bh * n * n * sizeof(float));
+    s = select_top_k(p, w.top_k, nullptr, probe, nullptr, select_bytes, nullptr);
+    if (!s) return s;
+    w.select_scratch = take(select_bytes);
+  }
+  s = build_k2q(p, probe, nullptr, index_bytes, nullptr);
+  if (!s) return s;
+  w.index_scratch = take(index_bytes);
+  w.forward_bytes = off;
+
+  // The backward reuses the forward's scratch region.
+  off = saved;
+  if (w.coarse) {
+    w.d_o_c = take(bh * n * d * e);
+    w.dq_c = take(bh * n * d * sizeof(float));
+    w.dk_c = take(bhk * n * d * sizeof(float));
+    w.dv_c = take(bhk * n * d * sizeof(float));
+    w.coarse_scratch = take(coarse_attention_backward_workspace(p));
+  }
+  w.sparse_scratch = take(sparse_attention_backward_workspace(p));
+  w.backward_bytes = off > w.forward_bytes ? off : w.forward_bytes;
+  return status::ok();
+}
+
+inline float resolve_scale(const problem& p, const options& opt) {
+  return opt.scale != 0.f ? opt.scale : 1.f / std::sqrt(static_cast<float>(p.head_dim));
+}
+
+inline status check_gate(const problem& p, const op_workspace& w, const const_tensor& gate, int64_t tokens) {
+  if (gate.data == nullptr) return status::ok();
+  if (!w.coarse)
+    return status::error(errc::bad_argument, "gate: must be absent when the caller supplies the q2k lists");
+  return check_tensor("gate", gate, p, p.q_heads, tokens, target::gpu);
+}
+
+} // namespace detail
+
+// The whole op's forward: o = o_s + g ⊙ o_c. Two-phase workspace: with workspace == nullptr only
+// workspace_bytes is set. The workspace then holds what backward() needs: keep it unchanged until then.
+inline status forward(const problem& p, const options& opt, const forward_io& io, void* workspace,
+                      std::size_t& workspace_bytes, gpu::stream_t stream) {
+  detail::op_workspace w;
+  status s = detail::plan_op(p, opt, w);
+  if (!s) return s;
+  if (workspace == nullptr) {
+    workspace_bytes = w.forward_bytes;
+    return status::ok();
+  }
+  const int64_t tokens = tile_geometry(p.grid).tiled_tokens();
+  const float scale = detail::resolve_scale(p, opt);
+  if (s) s = detail::check_scale(scale);
+  if (s) s = check_tensor("q", io.q, p, p.q_heads, tokens, target::gpu);
+  if (s) s = check_tensor("k", io.k, p, p.kv_heads, tokens, target::gpu);
+  if (s) s = check_tensor("v", io.v, p, p.kv_heads, tokens, target::gpu);
+  if (s) s = check_tensor("o", io.o, p, p.q_heads, tokens, target::gpu);
+  if (s) s = detail::check_gate(p, w, io.gate, tokens);
+  if (s && !w.coarse) s = detail::check_lists(p, opt.q2k, false);
+  if (s) s = check_workspace(workspace, workspace_bytes, w.forward_bytes);
+  if (!s) return s;
+
+  index_lists idx{};
+  idx.q2k_capacity = w.capacity;
+  idx.k2q = w.at<int32_t>(workspace, w.k2q);
+  idx.k2q_offset = w.at<int32_t>(workspace, w.k2q_offset);
+  if (w.coarse) {
+    idx.q2k = w.at<int32_t>(workspace, w.q2k);
+    idx.q2k_count = w.at<int32_t>(workspace, w.q2k_count);
+    void *qc = w.at(workspace, w.q_c), *kc = w.at(workspace, w.k_c), *vc = w.at(workspace, w.v_c);
+    float* scores = w.at<float>(workspace, w.scores);
+    s = block_means(p, io.q, io.k, io.v, qc, kc, vc, stream);
+    if (s) s = coarse_attention(p, scale, qc, kc, vc, scores, w.at(workspace, w.o_c), w.at<float>(workspace, w.lse_c),
+                                stream);
+    std::size_t select_bytes = w.index_scratch - w.select_scratch;
+    if (s) s = select_top_k(p, w.top_k, scores, idx, w.at(workspace, w.select_scratch), select_bytes, stream);
+  } else {
+    idx.q2k = const_cast<int32_t*>(opt.q2k.q2k);
+    idx.q2k_count = const_cast<int32_t*>(opt.q2k.q2k_count);
+  }
+  std::size_t index_bytes = w.forward_bytes - w.index_scratch;
+  if (s) s = build_k2q(p, idx, w.at(workspace, w.index_scratch), index_bytes, stream);
+  if (!s) return s;
+
+  gpu::detail::forward_params fp{};
+  fp.q = gpu::detail::make_operand(io.q);
+  fp.k = gpu::detail::make_operand(io.k);
+  fp.v = gpu::detail::make_operand(io.v);
+  fp.o = gpu::detail::make_operand(io.o);
+  fp.lse = w.at<float>(workspace, w.lse);
+  fp.scores = nullptr;
+  fp.o_c = w.coarse ? w.at<const uint16_t>(workspace, w.o_c) : nullptr;
+  fp.gate = gpu::detail::make_operand(io.gate);
+  fp.q_heads = p.q_heads;
+  fp.group = p.q_heads / p.kv_heads;
+  fp.scale = scale;
+  fp.scale_log2 = scale * 1.4426950408889634f;
+  const auto sched = detail::q2k_schedule(p, as_const(idx));
+  return gpu::detail::dispatch(p.type, p.head_dim, [&](auto cfg) {
+    using C = decltype(cfg);
+    return gpu::detail::launch_forward<typename C::element, C::head_dim>(fp, sched, p.batch, p.q_heads, stream);
+  });
+}
+
+// The whole op's backward: dq, dk, dv (and dgate when a gate was given) from dO, with the workspace the
+// forward filled (its bytes, asked with workspace == nullptr, are at least the forward's).
+inline status backward(const problem& p, const options& opt, const backward_io& io, void* workspace,
+                       std::size_t& workspace_bytes, gpu::stream_t stream) {
+  detail::op_workspace w;
+  status s = detail::plan_op(p, opt, w);
+  if (!s) return s;
+  if (workspace == nullptr) {
+    workspace_bytes = w.backward_bytes;
+    return status::ok();
+  }
+  const int64_t tokens = tile_geometry(p.grid).tiled_tokens();
+  const float scale = detail::resolve_scale(p, opt);
+  if (s) s = detail::check_scale(scale);
+  if (s) s = check_tensor("q", io.q, p, p.q_heads, tokens, target::gpu);
+  if (s) s = check_tensor("k", io.k, p, p.kv_heads, tokens, target::gpu);
+  if (s) s = check_tensor("v", io.v, p, p.kv_heads, tokens, target::gpu);
+  if (s) s = check_tensor("o", io.o, p, p.q_heads, tokens, target::gpu);
+  if (s) s = check_tensor("d_o", io.d_o, p, p.q_heads, tokens, target::gpu);
+  if (s) s = check_tensor("dq", io.dq, p, p.q_heads, tokens, target::gpu);
+  if (s) s = check_tensor("dk", io.dk, p, p.kv_heads, tokens, target::gpu);
+  if (s) s = check_tensor("dv", io.dv, p, p.kv_heads, tokens, target::gpu);
+  if (s) s = detail::check_gate(p, w, io.gate, tokens);
+  if (s && io.dgate.data != nullptr && io.gate.data == nullptr)
+    s = status::error(errc::bad_argument, "dgate: given without a gate");
+  if (s && io.dgate.data != nullptr) s = check_tensor("dgate", io.dgate, p, p.q_heads, tokens, target::gpu);
+  if (s && !w.coarse) s = detail::check_lists(p, opt.q2k, false);
+  if (s) s = check_workspace(workspace, workspace_bytes, w.backward_bytes);
+  if (!s) return s;
+
+  const_index_lists idx{};
+  idx.q2k_capacity = w.capacity;
+  idx.k2q = w.at<const int32_t>(workspace, w.k2q);
+  idx.k2q_offset = w.at<const int32_t>(workspace, w.k2q_offset);
+  idx.q2k = w.coarse ? w.at<const int32_t>(workspace, w.q2k) : opt.q2k.q2k;
+  idx.q2k_count = w.coarse ? w.at<const int32_t>(workspace, w.q2k_count) : opt.q2k.q2k_count;
+
+  const uint16_t* o_c = nullptr;
+  if (w.coarse) {
+    void* d_o_c = w.at(workspace, w.d_o_c);
+    o_c = w.at<const uint16_t>(workspace, w.o_c);
+    s = combine_backward(p, io.d_o, io.gate, o_c, io.dgate, d_o_c, stream);
+    std::size_t coarse_bytes = w.sparse_scratch - w.coarse_scratch;
+    if (s)
+      s = coarse_attention_backward(p, scale, w.at(workspace, w.q_c), w.at(workspace, w.k_c), w.at(workspace, w.v_c),
+                                    o_c, d_o_c, w.at<const float>(workspace, w.lse_c), w.at<float>(workspace, w.dq_c),
+                                    w.at<float>(workspace, w.dk_c), w.at<float>(workspace, w.dv_c),
+                                    w.at(workspace, w.coarse_scratch), coarse_bytes, stream);
+    if (!s) return s;
+  }
+
+  float* delta = w.at<float>(workspace, w.sparse_scratch);
+  const auto qs = detail::q2k_schedule(p, idx);
+  const auto ks = detail::k2q_schedule(p, idx);
+  gpu::detail::delta_params dp{};
+  dp.o = gpu::detail::make_operand(io.o);
+  dp.d_o = gpu::detail::make_operand(io.d_o);
+  dp.gate = gpu::detail::make_operand(io.gate);
+  dp.o_c = o_c;
+  dp.delta = delta;
+  dp.q_heads = p.q_heads;
+  dp.rows_total = tokens;
+  dp.tiles = qs.tiles;
+  dp.head_dim = static_cast<int>(p.head_dim);
+
+  gpu::detail::backward_params bp{};
+  bp.q = gpu::detail::make_operand(io.q);
+  bp.k = gpu::detail::make_operand(io.k);
+  bp.v = gpu::detail::make_operand(io.v);
+  bp.d_o = gpu::detail::make_operand(io.d_o);
+  bp.dq = gpu::detail::make_operand(io.dq);
+  bp.dk = gpu::detail::make_operand(io.dk);
+  bp.dv = gpu::detail::make_operand(io.dv);
+  bp.lse = w.at<const float>(workspace, w.lse);
+  bp.delta = delta;
+  if (w.coarse) {
+    bp.fold_q = w.at<const float>(workspace, w.dq_c);
+    bp.fold_k = w.at<const float>(workspace, w.dk_c);
+    bp.fold_v = w.at<const float>(workspace, w.dv_c);
+  }
+  bp.q_heads = p.q_heads;
+  bp.kv_heads = p.kv_heads;
+  bp.group = p.q_heads / p.kv_heads;
+  bp.scale = scale;
+  bp.scale_log2 = scale * 1.4426950408889634f;
+  return gpu::detail::dispatch(p.type, p.head_dim, [&](auto cfg) {
+    using C = decltype(cfg);
+    using E = typename C::element;
+    status st = gpu::detail::launch_delta<E, C::head_dim>(dp, qs, p.batch, stream);
+    if (!st) return st;
+    return gpu::detail::launch_backward<E, C::head_dim>(bp, qs, ks, p.batch, stream);
+  });
+}
+
+} // namespace vsa

@@ -1,0 +1,108 @@
+// The few GPU runtime calls and device intrinsics the library uses, under one set of names for both
+// platforms. On AMD (hipcc) they are HIP's own. On NVIDIA they map onto CUDA directly, because the
+// HIP-for-NVIDIA headers that distributions ship lag behind current CUDA; where a real HIP for NVIDIA is
+// installed and selected (__HIP_PLATFORM_NVIDIA__), its headers are used instead.
+#pragma once
+
+#include "../types.hpp"
+
+#if defined(__HIP_PLATFORM_AMD__) || defined(__HIP_PLATFORM_HCC__) || (defined(__HIPCC__) && !defined(__CUDACC__)) ||  \
+    defined(__HIP_PLATFORM_NVIDIA__)
+#include <hip/hip_runtime.h>
+#define VSA_RUNTIME_HIP 1
+#elif defined(__CUDACC__)
+#include <cuda_runtime.h>
+#define VSA_RUNTIME_CUDA 1
+#else
+#error "vsa/gpu headers need a GPU compiler: hipcc (AMD) or nvcc (NVIDIA)"
+#endif
+
+// Which matrix-core backend the device pass compiles: AMD MFMA (64-wide wavefronts) or NVIDIA mma.
+#if defined(__HIP_PLATFORM_AMD__) || defined(__HIP_PLATFORM_HCC__) || (defined(__HIPCC__) && !defined(__CUDACC__))
+#define VSA_PLATFORM_AMD 1
+#else
+#define VSA_PLATFORM_NVIDIA 1
+#endif
+
+namespace vsa {
+namespace gpu {
+
+#if VSA_RUNTIME_HIP
+using stream_t = hipStream_t;
+using error_t = hipError_t;
+inline constexpr error_t success = hipSuccess;
+inline error_t last_error() { return hipGetLastError(); }
+inline error_t peek_error() { return hipPeekAtLastError(); }
+inline const char* error_string(error_t e) { return hipGetErrorString(e); }
+inline error_t memset_async(void* p, int v, std::size_t n, stream_t s) { return hipMemsetAsync(p, v, n, s); }
+inline error_t current_device(int* d) { return hipGetDevice(d); }
+inline error_t multiprocessor_count(int* n, int device) {
+  return hipDeviceGetAttribute(n, hipDeviceAttributeMultiprocessorCount, device);
+}
+template <class Kernel> error_t allow_dynamic_shared(Kernel k, int bytes) {
+  return hipFuncSetAttribute(reinterpret_cast<const void*>(k), hipFuncAttributeMaxDynamicSharedMemorySize, bytes);
+}
+#else
+using stream_t = cudaStream_t;
+using error_t = cudaError_t;
+inline constexpr error_t success = cudaSuccess;
+inline error_t last_error() { return cudaGetLastError(); }
+inline error_t peek_error() { return cudaPeekAtLastError(); }
+inline const char* error_string(error_t e) { return cudaGetErrorString(e); }
+inline error_t memset_async(void* p, int v, std::size_t n, stream_t s) { return cudaMemsetAsync(p, v, n, s); }
+inline error_t current_device(int* d) { return cudaGetDevice(d); }
+inline error_t multiprocessor_count(int* n, int device) {
+  return cudaDeviceGetAttribute(n, cudaDevAttrMultiProcessorCount, device);
+}
+template <class Kernel> error_t allow_dynamic_shared(Kernel k, int bytes) {
+  return cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+}
+#endif
+
+// Turns the runtime's state after a launch into a status: a launch that failed is reported with the
+// kernel's name, never ignored.
+inline status launch_status(const char* what) {
+  const error_t e = last_error();
+  if (e != success) return status::error(errc::runtime_error, "%s: launch failed: %s", what, error_string(e));
+  return status::ok();
+}
+inline status runtime_status(error_t e, const char* what) {
+  if (e != success) return status::error(errc::runtime_error, "%s: %s", what, error_string(e));
+  return status::ok();
+}
+
+// ---- device-side intrinsics ----------------------------------------------------------------------------
+
+#if VSA_PLATFORM_AMD
+inline constexpr int warp_size = 64; // CDNA wavefronts
+#else
+inline constexpr int warp_size = 32;
+#endif
+
+template <class T> __device__ __forceinline__ T shfl_xor(T v, int mask) {
+#if VSA_PLATFORM_AMD
+  return __shfl_xor(v, mask);
+#else
+  return __shfl_xor_sync(0xffffffffu, v, mask);
+#endif
+}
+template <class T> __device__ __forceinline__ T shfl(T v, int lane) {
+#if VSA_PLATFORM_AMD
+  return __shfl(v, lane);
+#else
+  return __shfl_sync(0xffffffffu, v, lane);
+#endif
+}
+// 2^x on the special-function unit; exp2(-inf) = 0, which the masking relies on.
+__device__ __forceinline__ float fast_exp2(float x) {
+#if VSA_PLATFORM_AMD
+  return exp2f(x);
+#else
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#endif
+}
+
+} // namespace gpu
+} // namespace vsa

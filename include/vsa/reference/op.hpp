@@ -1,0 +1,296 @@
+// The whole op on the host: block means, coarse attention, top-k selection, sparse attention and the
+// gated combination, forward and backward, with the two-phase workspace convention.
+//
+// Values keep double precision between stages; they are rounded to p.type exactly where the GPU
+// pipeline stores them (the means, o_c, o_s, the per-tile sum of g ⊙ dO, and the outputs), so for the f64
+// dtype the whole op is a smooth function of its inputs (between selection changes) and its gradients
+// can be checked against finite differences.
+#pragma once
+
+#include "block_means.hpp"
+#include "coarse_attention.hpp"
+#include "combine.hpp"
+#include "select.hpp"
+#include "sparse_attention.hpp"
+
+namespace vsa {
+namespace reference {
+
+namespace detail {
+
+// Offsets of the workspace regions. The first ones are written by the forward and read by the backward;
+// the scratch regions of the two passes start after them.
+struct op_layout {
+  bool coarse = false;   // false when the caller supplied the q2k lists
+  int64_t top_k = 0;     // capacity of the saved q2k lists (coarse path)
+  std::size_t total = 0; // bytes so far
+  bool overflow = false;
+
+  // saved by the forward
+  std::size_t q_c, k_c, v_c, o_c, lse_c, q2k, q2k_count, o_s, lse;
+  std::size_t saved_end;
+  // forward scratch
+  std::size_t f_q, f_k, f_v, f_o, f_qc, f_kc, f_vc, f_oc, f_scores;
+  std::size_t forward_end;
+  // backward scratch
+  std::size_t b_q, b_k, b_v, b_o, b_do, b_dq, b_dk, b_dv, b_delta, b_doc, b_qc, b_kc, b_vc, b_oc, b_dqc, b_dkc, b_dvc;
+  std::size_t backward_end;
+
+  std::size_t add(int64_t count, std::size_t element) {
+    const std::size_t at = total;
+    const int64_t bytes = vsa::detail::checked_mul(count, static_cast<int64_t>(element));
+    const int64_t rounded = bytes < 0 || bytes > vsa::detail::size_limit ? -1 : (bytes + 255) / 256 * 256;
+    if (rounded < 0 || static_cast<uint64_t>(rounded) > static_cast<uint64_t>(SIZE_MAX) - total)
+      overflow = true;
+    else
+      total += static_cast<std::size_t>(rounded);
+    return at;
+  }
+
+  op_layout(const problem& p, bool with_coarse, int64_t k) : coarse(with_coarse), top_k(k) {
+    const tile_geometry geo(p.grid);
+    const int64_t n = geo.num_tiles(), slots = geo.tiled_tokens(), dim = p.head_dim;
+    const int64_t bq = p.batch * p.q_heads, bk = p.batch * p.kv_heads;
+    const std::size_t ts = dtype_size(p.type), f64 = sizeof(double);
+    const int64_t cn = coarse ? n : 0; // coarse regions vanish without the coarse branch
+    q_c = add(bq * cn * dim, ts);
+    k_c = add(bk * cn * dim, ts);
+    v_c = add(bk * cn * dim, ts);
+    o_c = add(bq * cn * dim, ts);
+    lse_c = add(bq * cn, f64);
+    q2k = add(coarse ? bq * n * top_k : 0, sizeof(int32_t));
+    q2k_count = add(bq * cn, sizeof(int32_t));
+    o_s = add(bq * slots * dim, ts);
+    lse = add(bq * slots, f64);
+    saved_end = total;
+    f_q = add(bq * slots * dim, f64);
+    f_k = add(bk * slots * dim, f64);
+    f_v = add(bk * slots * dim, f64);
+    f_o = add(bq * slots * dim, f64);
+    f_qc = add(bq * cn * dim, f64);
+    f_kc = add(bk * cn * dim, f64);
+    f_vc = add(bk * cn * dim, f64);
+    f_oc = add(bq * cn * dim, f64);
+    f_scores = add(vsa::detail::checked_mul(bq * cn, cn), sizeof(float));
+    forward_end = total;
+    total = saved_end;
+    b_q = add(bq * slots * dim, f64);
+    b_k = add(bk * slots * dim, f64);
+    b_v = add(bk * slots * dim, f64);
+    b_o = add(bq * slots * dim, f64);
+    b_do = add(bq * slots * dim, f64);
+    b_dq = add(bq * slots * dim, f64);
+    b_dk = add(bk * slots * dim, f64);
+    b_dv = add(bk * slots * dim, f64);
+    b_delta = add(bq * slots, f64);
+    b_doc = add(bq * cn * dim, f64);
+    b_qc = add(bq * cn * dim, f64);
+    b_kc = add(bk * cn * dim, f64);
+    b_vc = add(bk * cn * dim, f64);
+    b_oc = add(bq * cn * dim, f64);
+    b_dqc = add(bq * cn * dim, f64);
+    b_dkc = add(bk * cn * dim, f64);
+    b_dvc = add(bk * cn * dim, f64);
+    backward_end = total;
+  }
+};
+
+template <class T> T* region(void* workspace, std::size_t offset) {
+  return reinterpret_cast<T*>(static_cast<unsigned char*>(workspace) + offset);
+}
+
+// What forward and backward share: the resolved scale, which branch runs, and the lists the sparse pass reads.
+struct op_plan {
+  float scale = 0.0f;
+  bool coarse = true;
+  int64_t top_k = 0;
+};
+
+inline status plan_op(const problem& p, const options& opt, const const_tensor& gate, op_plan& plan) {
+  status s = check_problem(p, target::cpu);
+  if (!s) return s;
+  plan.scale = resolve_scale(p, opt);
+  if (opt.scale != 0.0f && !(s = check_scale(opt.scale))) return s;
+  if (!(s = check_scale(plan.scale))) return s;
+  plan.coarse = opt.q2k.q2k == nullptr;
+  if (!plan.coarse) {
+    if (!(s = check_q2k_host(p, opt.q2k))) return s;
+    if (gate.data != nullptr)
+      return status::error(errc::bad_argument,
+                           "gate: must be absent when options.q2k is given (the coarse branch does not run)");
+    return status::ok();
+  }
+  plan.top_k = resolve_top_k(tile_geometry(p.grid).num_tiles(), opt);
+  if (plan.top_k == 0)
+    return status::error(errc::bad_top_k, "top_k/sparsity: top_k %lld or sparsity %g is out of range for N = %lld",
+                         (long long)opt.top_k, opt.sparsity, (long long)tile_geometry(p.grid).num_tiles());
+  return status::ok();
+}
+
+inline status check_op_workspace(const op_layout& layout, std::size_t needed, void* workspace,
+                                 std::size_t& workspace_bytes, bool& query_only) {
+  if (layout.overflow) return status::error(errc::bad_grid, "grid: the workspace size overflows");
+  query_only = workspace == nullptr;
+  if (query_only) {
+    workspace_bytes = needed;
+    return status::ok();
+  }
+  return check_workspace(workspace, workspace_bytes, needed);
+}
+
+// The lists the sparse pass reads: the op's own (saved in the workspace) or the caller's.
+inline const_index_lists op_lists(const op_plan& plan, const options& opt, const op_layout& layout, void* ws) {
+  if (!plan.coarse) return opt.q2k;
+  return {region<int32_t>(ws, layout.q2k), region<int32_t>(ws, layout.q2k_count), plan.top_k, nullptr, nullptr};
+}
+
+} // namespace detail
+
+// Forward of the whole op. workspace == nullptr: sets workspace_bytes and returns. Otherwise the
+// workspace must stay untouched until backward() has run on it.
+inline status forward(const problem& p, const options& opt, const forward_io& io, void* workspace,
+                      std::size_t& workspace_bytes) {
+  detail::op_plan plan;
+  status s = detail::plan_op(p, opt, io.gate, plan);
+  if (!s) return s;
+  if (!(s = detail::check_tiled("q", io.q, p, p.q_heads))) return s;
+  if (!(s = detail::check_tiled("k", io.k, p, p.kv_heads))) return s;
+  if (!(s = detail::check_tiled("v", io.v, p, p.kv_heads))) return s;
+  if (!(s = detail::check_gate(p, io.gate, nullptr, false))) return s;
+  if (!(s = detail::check_tiled("o", io.o, p, p.q_heads))) return s;
+  const detail::op_layout layout(p, plan.coarse, plan.top_k);
+  bool query_only = false;
+  if (!(s = detail::check_op_workspace(layout, layout.forward_end, workspace, workspace_bytes, query_only))) return s;
+  if (query_only) return s;
+  return detail::guarded("forward", [&]() {
+    void* ws = workspace;
+    const tile_geometry geo(p.grid);
+    const int64_t n = geo.num_tiles(), slots = geo.tiled_tokens(), dim = p.head_dim;
+    const int64_t bq = p.batch * p.q_heads, bk = p.batch * p.kv_heads;
+    double* q = detail::region<double>(ws, layout.f_q);
+    double* k = detail::region<double>(ws, layout.f_k);
+    double* v = detail::region<double>(ws, layout.f_v);
+    double* o_s = detail::region<double>(ws, layout.f_o);
+    detail::gather(p, p.q_heads, io.q, q);
+    detail::gather(p, p.kv_heads, io.k, k);
+    detail::gather(p, p.kv_heads, io.v, v);
+    if (plan.coarse) {
+      void* q_c = detail::region<void>(ws, layout.q_c);
+      void* k_c = detail::region<void>(ws, layout.k_c);
+      void* v_c = detail::region<void>(ws, layout.v_c);
+      detail::tile_means(p, p.q_heads, io.q, q_c);
+      detail::tile_means(p, p.kv_heads, io.k, k_c);
+      detail::tile_means(p, p.kv_heads, io.v, v_c);
+      double* qc = detail::region<double>(ws, layout.f_qc);
+      double* kc = detail::region<double>(ws, layout.f_kc);
+      double* vc = detail::region<double>(ws, layout.f_vc);
+      double* oc = detail::region<double>(ws, layout.f_oc);
+      detail::load_array(q_c, bq * n * dim, p.type, qc);
+      detail::load_array(k_c, bk * n * dim, p.type, kc);
+      detail::load_array(v_c, bk * n * dim, p.type, vc);
+      float* scores = detail::region<float>(ws, layout.f_scores);
+      detail::coarse_forward_core(p, plan.scale, qc, kc, vc, scores, oc, detail::region<double>(ws, layout.lse_c));
+      detail::store_array(detail::region<void>(ws, layout.o_c), bq * n * dim, p.type, oc);
+      const index_lists own{detail::region<int32_t>(ws, layout.q2k), detail::region<int32_t>(ws, layout.q2k_count),
+                            plan.top_k, nullptr, nullptr};
+      detail::select_core(p, plan.top_k, scores, own);
+    }
+    double* lse = detail::region<double>(ws, layout.lse);
+    detail::sparse_forward_core(p, plan.scale, q, k, v, detail::op_lists(plan, opt, layout, ws), o_s, lse);
+    void* saved_o_s = detail::region<void>(ws, layout.o_s);
+    detail::store_array(saved_o_s, bq * slots * dim, p.type, o_s);
+    if (plan.coarse) {
+      const const_tensor fine = bhsd<const void*>(saved_o_s, p.batch, slots, p.q_heads, dim);
+      detail::combine_core(p, fine, io.gate, detail::region<void>(ws, layout.o_c), io.o);
+    } else {
+      detail::scatter(p, p.q_heads, o_s, io.o);
+    }
+    return status::ok();
+  });
+}
+
+// Backward of the whole op, on the workspace the forward filled (ask its size with workspace == nullptr;
+// it is larger than the forward's). Writes dq, dk, dv (padding slots 0) and dgate when the gate is given.
+inline status backward(const problem& p, const options& opt, const backward_io& io, void* workspace,
+                       std::size_t& workspace_bytes) {
+  detail::op_plan plan;
+  status s = detail::plan_op(p, opt, io.gate, plan);
+  if (!s) return s;
+  if (!(s = detail::check_tiled("q", io.q, p, p.q_heads))) return s;
+  if (!(s = detail::check_tiled("k", io.k, p, p.kv_heads))) return s;
+  if (!(s = detail::check_tiled("v", io.v, p, p.kv_heads))) return s;
+  if (!(s = detail::check_gate(p, io.gate, io.dgate.data, true))) return s;
+  if (!(s = detail::check_tiled("o", io.o, p, p.q_heads))) return s;
+  if (!(s = detail::check_tiled("d_o", io.d_o, p, p.q_heads))) return s;
+  if (!(s = detail::check_tiled("dq", io.dq, p, p.q_heads))) return s;
+  if (!(s = detail::check_tiled("dk", io.dk, p, p.kv_heads))) return s;
+  if (!(s = detail::check_tiled("dv", io.dv, p, p.kv_heads))) return s;
+  if (io.dgate.data != nullptr && !(s = detail::check_tiled("dgate", io.dgate, p, p.q_heads))) return s;
+  const detail::op_layout layout(p, plan.coarse, plan.top_k);
+  bool query_only = false;
+  if (!(s = detail::check_op_workspace(layout, layout.backward_end, workspace, workspace_bytes, query_only))) return s;
+  if (query_only) return s;
+  return detail::guarded("backward", [&]() {
+    void* ws = workspace;
+    const tile_geometry geo(p.grid);
+    const int64_t n = geo.num_tiles(), slots = geo.tiled_tokens(), dim = p.head_dim;
+    const int64_t bq = p.batch * p.q_heads, bk = p.batch * p.kv_heads;
+    double* q = detail::region<double>(ws, layout.b_q);
+    double* k = detail::region<double>(ws, layout.b_k);
+    double* v = detail::region<double>(ws, layout.b_v);
+    double* o_s = detail::region<double>(ws, layout.b_o);
+    double* d_o = detail::region<double>(ws, layout.b_do);
+    double* dq = detail::region<double>(ws, layout.b_dq);
+    double* dk = detail::region<double>(ws, layout.b_dk);
+    double* dv = detail::region<double>(ws, layout.b_dv);
+    detail::gather(p, p.q_heads, io.q, q);
+    detail::gather(p, p.kv_heads, io.k, k);
+    detail::gather(p, p.kv_heads, io.v, v);
+    detail::gather(p, p.q_heads, io.d_o, d_o);
+    detail::load_array(detail::region<void>(ws, layout.o_s), bq * slots * dim, p.type, o_s);
+    detail::sparse_backward_core(p, plan.scale, q, k, v, o_s, d_o, detail::region<double>(ws, layout.lse),
+                                 detail::op_lists(plan, opt, layout, ws), dq, dk, dv,
+                                 detail::region<double>(ws, layout.b_delta));
+    if (plan.coarse) {
+      const void* o_c = detail::region<void>(ws, layout.o_c);
+      double* d_o_c = detail::region<double>(ws, layout.b_doc);
+      detail::combine_backward_core(p, io.d_o, io.gate, o_c, io.dgate, d_o_c);
+      // The GPU stores the per-tile sum of g ⊙ dO in p.type; the reference rounds it the same way.
+      for (int64_t e = 0; e < bq * n * dim; ++e) d_o_c[e] = round_to(d_o_c[e], p.type);
+      double* qc = detail::region<double>(ws, layout.b_qc);
+      double* kc = detail::region<double>(ws, layout.b_kc);
+      double* vc = detail::region<double>(ws, layout.b_vc);
+      double* oc = detail::region<double>(ws, layout.b_oc);
+      double* dqc = detail::region<double>(ws, layout.b_dqc);
+      double* dkc = detail::region<double>(ws, layout.b_dkc);
+      double* dvc = detail::region<double>(ws, layout.b_dvc);
+      detail::load_array(detail::region<void>(ws, layout.q_c), bq * n * dim, p.type, qc);
+      detail::load_array(detail::region<void>(ws, layout.k_c), bk * n * dim, p.type, kc);
+      detail::load_array(detail::region<void>(ws, layout.v_c), bk * n * dim, p.type, vc);
+      detail::load_array(o_c, bq * n * dim, p.type, oc);
+      detail::coarse_backward_core(p, plan.scale, qc, kc, vc, oc, d_o_c, detail::region<double>(ws, layout.lse_c), dqc,
+                                   dkc, dvc);
+      // Block-mean backward: each valid token of tile i receives 1/valid(i) of the tile's gradient.
+      auto spread = [&](int64_t heads, const double* grad_c, double* grad) {
+        detail::parallel_for(p.batch * heads * n, [&](int64_t begin, int64_t end) {
+          for (int64_t row = begin; row < end; ++row) {
+            const int64_t i = row % n, bh = row / n;
+            const int valid = geo.valid(i);
+            for (int r = 0; r < valid; ++r)
+              detail::axpy(1.0 / valid, grad_c + row * dim, grad + (bh * slots + i * tile_tokens + r) * dim, dim);
+          }
+        });
+      };
+      spread(p.q_heads, dqc, dq);
+      spread(p.kv_heads, dkc, dk);
+      spread(p.kv_heads, dvc, dv);
+    }
+    detail::scatter(p, p.q_heads, dq, io.dq);
+    detail::scatter(p, p.kv_heads, dk, io.dk);
+    detail::scatter(p, p.kv_heads, dv, io.dv);
+    return status::ok();
+  });
+}
+
+} // namespace reference
+} // namespace vsa

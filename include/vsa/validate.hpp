@@ -1,0 +1,151 @@
+// Argument checks shared by the CPU reference and the GPU entry points. Every public call runs these
+// before touching memory, so a bad shape comes back as an error naming the argument, never as a crash
+// or a write outside the outputs.
+#pragma once
+
+#include "geometry.hpp"
+#include "types.hpp"
+
+#include <algorithm>
+
+namespace vsa {
+
+// What an entry point accepts: the GPU kernels take bf16/fp16 and head dim 64/128, aligned for 16-byte
+// vector loads; the CPU reference takes any dtype and head dims 1..256.
+enum class target : int { cpu = 0, gpu = 1 };
+
+namespace detail {
+
+inline constexpr int64_t size_limit = int64_t(1) << 60; // keeps every product below int64 overflow
+
+// a·b, or -1 when it would pass size_limit (operands are non-negative).
+inline int64_t checked_mul(int64_t a, int64_t b) {
+  if (a < 0 || b < 0) return -1;
+  if (a != 0 && b > size_limit / a) return -1;
+  return a * b;
+}
+
+} // namespace detail
+
+inline status check_problem(const problem& p, target where) {
+  if (p.batch < 1) return status::error(errc::bad_batch, "batch: must be >= 1, got %lld", (long long)p.batch);
+  if (p.q_heads < 1 || p.kv_heads < 1)
+    return status::error(errc::bad_heads, "q_heads/kv_heads: must be >= 1, got %lld/%lld", (long long)p.q_heads,
+                         (long long)p.kv_heads);
+  if (p.q_heads % p.kv_heads != 0)
+    return status::error(errc::bad_heads, "kv_heads: %lld does not divide q_heads %lld", (long long)p.kv_heads,
+                         (long long)p.q_heads);
+  const int t = static_cast<int>(p.type);
+  if (t < 0 || t > 3) return status::error(errc::bad_dtype, "type: not a dtype value (%d)", t);
+  if (where == target::gpu) {
+    if (p.head_dim != 64 && p.head_dim != 128)
+      return status::error(errc::bad_head_dim, "head_dim: the GPU kernels take 64 or 128, got %lld",
+                           (long long)p.head_dim);
+    if (p.type != dtype::bf16 && p.type != dtype::fp16)
+      return status::error(errc::bad_dtype, "type: the GPU kernels take bf16 or fp16, got %s", dtype_name(p.type));
+  } else if (p.head_dim < 1 || p.head_dim > 256) {
+    return status::error(errc::bad_head_dim, "head_dim: must be in 1..256, got %lld", (long long)p.head_dim);
+  }
+  if (p.grid.t < 1 || p.grid.h < 1 || p.grid.w < 1)
+    return status::error(errc::bad_grid, "grid: every dimension must be >= 1, got %lldx%lldx%lld", (long long)p.grid.t,
+                         (long long)p.grid.h, (long long)p.grid.w);
+  // Every size the library forms is at most batch · heads · (tiled tokens) · head_dim, and the index lists
+  // at most batch · heads · N²; both must stay far from int64 overflow.
+  int64_t n = detail::checked_mul(detail::checked_mul(p.grid.t, p.grid.h), p.grid.w);
+  const int64_t tiles = n < 0 ? -1 : tile_geometry(p.grid).num_tiles();
+  int64_t elems = detail::checked_mul(detail::checked_mul(detail::checked_mul(tiles, tile_tokens), p.q_heads),
+                                      detail::checked_mul(p.batch, p.head_dim));
+  int64_t pairs = detail::checked_mul(detail::checked_mul(tiles, tiles), detail::checked_mul(p.batch, p.q_heads));
+  if (n < 0 || elems < 0 || pairs < 0)
+    return status::error(errc::bad_grid, "grid: %lldx%lldx%lld with batch %lld and %lld heads overflows the sizes",
+                         (long long)p.grid.t, (long long)p.grid.h, (long long)p.grid.w, (long long)p.batch,
+                         (long long)p.q_heads);
+  if (tiles > (int64_t(1) << 30))
+    return status::error(errc::bad_grid, "grid: %lld tiles is more than the 2^30 the int32 index lists hold",
+                         (long long)tiles);
+  return status::ok();
+}
+
+// A [B, S, H, D] view: present, S as expected, head dim contiguous, no two (b, s, h) rows overlapping,
+// and (for the GPU) 16-byte aligned rows.
+template <class Ptr> status check_tensor(const char* name, const basic_tensor<Ptr>& x, const problem& p, int64_t heads,
+                                         int64_t expected_tokens, target where) {
+  if (x.data == nullptr) return status::error(errc::null_pointer, "%s: data is null", name);
+  if (x.tokens != expected_tokens)
+    return status::error(errc::bad_tokens, "%s: holds %lld tokens, the grid needs %lld", name, (long long)x.tokens,
+                         (long long)expected_tokens);
+  if (x.batch_stride < 0 || x.token_stride < 0 || x.head_stride < 0)
+    return status::error(errc::bad_strides, "%s: negative stride", name);
+  // Sort the three outer axes by stride; each must step past everything the smaller ones span.
+  struct axis {
+    int64_t stride, extent;
+  } ax[3] = {{x.batch_stride, p.batch}, {x.token_stride, x.tokens}, {x.head_stride, heads}};
+  std::sort(ax, ax + 3, [](const axis& a, const axis& b) { return a.stride < b.stride; });
+  int64_t span = p.head_dim; // the contiguous head-dim row
+  for (const axis& a : ax) {
+    if (a.extent <= 1) continue;
+    if (a.stride < span)
+      return status::error(
+          errc::bad_strides, "%s: strides (batch %lld, token %lld, head %lld) overlap or cut the head dim (%lld)", name,
+          (long long)x.batch_stride, (long long)x.token_stride, (long long)x.head_stride, (long long)p.head_dim);
+    span = detail::checked_mul(a.stride, a.extent);
+    if (span < 0) return status::error(errc::bad_strides, "%s: strides overflow", name);
+  }
+  if (where == target::gpu) {
+    const int64_t vec = 16 / static_cast<int64_t>(dtype_size(p.type));
+    if (reinterpret_cast<std::uintptr_t>(x.data) % 16 != 0)
+      return status::error(errc::misaligned_pointer, "%s: data must be 16-byte aligned", name);
+    if (x.batch_stride % vec != 0 || x.token_stride % vec != 0 || x.head_stride % vec != 0)
+      return status::error(errc::misaligned_pointer, "%s: strides must be multiples of %lld elements (16 bytes)", name,
+                           (long long)vec);
+  }
+  return status::ok();
+}
+
+// A plain pointer argument (index lists, statistics, coarse tensors).
+template <class T> status check_pointer(const char* name, T* ptr, std::size_t align) {
+  if (ptr == nullptr) return status::error(errc::null_pointer, "%s: pointer is null", name);
+  if (reinterpret_cast<std::uintptr_t>(ptr) % align != 0)
+    return status::error(errc::misaligned_pointer, "%s: must be %zu-byte aligned", name, align);
+  return status::ok();
+}
+
+inline status check_workspace(const void* workspace, std::size_t given, std::size_t needed) {
+  if (needed == 0) return status::ok();
+  if (workspace == nullptr) return status::error(errc::bad_workspace, "workspace: null, %zu bytes needed", needed);
+  if (reinterpret_cast<std::uintptr_t>(workspace) % 256 != 0)
+    return status::error(errc::misaligned_pointer, "workspace: must be 256-byte aligned");
+  if (given < needed)
+    return status::error(errc::bad_workspace, "workspace: %zu bytes given, %zu needed", given, needed);
+  return status::ok();
+}
+
+// Caller-supplied q2k lists, checked on the host: every count in [0, capacity], capacity <= N, every entry
+// in [0, N), each row strictly ascending (which also rules out repeats).
+inline status check_q2k_host(const problem& p, const const_index_lists& idx) {
+  const int64_t n = tile_geometry(p.grid).num_tiles();
+  if (idx.q2k == nullptr || idx.q2k_count == nullptr)
+    return status::error(errc::null_pointer, "q2k: list or count pointer is null");
+  if (idx.q2k_capacity < 1 || idx.q2k_capacity > n)
+    return status::error(errc::bad_index, "q2k_capacity: must be in 1..%lld, got %lld", (long long)n,
+                         (long long)idx.q2k_capacity);
+  const int64_t rows = p.batch * p.q_heads * n;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int32_t c = idx.q2k_count[r];
+    if (c < 0 || c > idx.q2k_capacity)
+      return status::error(errc::bad_index, "q2k_count[%lld] = %d is outside 0..%lld", (long long)r, c,
+                           (long long)idx.q2k_capacity);
+    const int32_t* row = idx.q2k + r * idx.q2k_capacity;
+    for (int32_t j = 0; j < c; ++j) {
+      if (row[j] < 0 || row[j] >= n)
+        return status::error(errc::bad_index, "q2k[%lld][%d] = %d is not a tile (N = %lld)", (long long)r, j, row[j],
+                             (long long)n);
+      if (j > 0 && row[j] <= row[j - 1])
+        return status::error(errc::bad_index, "q2k[%lld]: entries %d and %d are repeated or not ascending",
+                             (long long)r, j - 1, j);
+    }
+  }
+  return status::ok();
+}
+
+} // namespace vsa

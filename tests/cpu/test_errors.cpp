@@ -1,0 +1,333 @@
+// Every kind of bad argument is rejected with its own error code and a message naming the argument,
+// before anything is written.
+#include "support/host.hpp"
+
+#include <vsa/reference.hpp>
+
+#include <cmath>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+using namespace vsa;
+using test::host_tensor;
+using test::layout;
+using test::make_problem;
+
+namespace {
+
+// Buffers for every entry point, sized for one valid problem; the outputs are poisoned.
+struct world {
+  problem p;
+  int64_t n, slots, raster, top_k = 3;
+  host_tensor q, k, v, gate, d_o, o, dq, dk, dv, dgate, rq, q_c, k_c, v_c, o_c, d_o_c;
+  std::vector<float> scores, lse_c, lse, dq_c, dk_c, dv_c;
+  std::vector<int32_t> q2k, count, k2q, offset;
+  test::aligned_buffer workspace;
+  std::size_t workspace_bytes = 0;
+
+  explicit world(const problem& valid, test::rng& g)
+      : p(valid), n(tile_geometry(valid.grid).num_tiles()), slots(tile_geometry(valid.grid).tiled_tokens()),
+        raster(tile_geometry(valid.grid).raster_tokens()) {
+    const int64_t b = p.batch, hq = p.q_heads, hk = p.kv_heads, d = p.head_dim;
+    q = host_tensor(p.type, b, slots, hq, d);
+    k = host_tensor(p.type, b, slots, hk, d);
+    v = host_tensor(p.type, b, slots, hk, d);
+    gate = host_tensor(p.type, b, slots, hq, d);
+    d_o = host_tensor(p.type, b, slots, hq, d);
+    rq = host_tensor(p.type, b, raster, hq, d);
+    for (host_tensor* t : {&q, &k, &v, &gate, &d_o, &rq}) t->fill_normal(g);
+    o = host_tensor(p.type, b, slots, hq, d);
+    dq = host_tensor(p.type, b, slots, hq, d);
+    dk = host_tensor(p.type, b, slots, hk, d);
+    dv = host_tensor(p.type, b, slots, hk, d);
+    dgate = host_tensor(p.type, b, slots, hq, d);
+    q_c = host_tensor(p.type, b, n, hq, d, layout::bhsd);
+    k_c = host_tensor(p.type, b, n, hk, d, layout::bhsd);
+    v_c = host_tensor(p.type, b, n, hk, d, layout::bhsd);
+    o_c = host_tensor(p.type, b, n, hq, d, layout::bhsd);
+    d_o_c = host_tensor(p.type, b, n, hq, d, layout::bhsd);
+    for (host_tensor* t : {&o, &dq, &dk, &dv, &dgate, &q_c, &k_c, &v_c, &o_c, &d_o_c}) t->fill_byte(test::poison_byte);
+    scores.assign(static_cast<std::size_t>(b * hq * n * n), NAN);
+    lse_c.assign(static_cast<std::size_t>(b * hq * n), NAN);
+    lse.assign(static_cast<std::size_t>(b * hq * slots), NAN);
+    dq_c.assign(static_cast<std::size_t>(b * hq * n * d), NAN);
+    dk_c.assign(static_cast<std::size_t>(b * hk * n * d), NAN);
+    dv_c.assign(static_cast<std::size_t>(b * hk * n * d), NAN);
+    // Valid lists (every row holds tiles 0..top_k-1), so that only the argument under test is wrong.
+    count.assign(static_cast<std::size_t>(b * hq * n), static_cast<int32_t>(top_k));
+    for (int64_t row = 0; row < b * hq * n; ++row)
+      for (int64_t c = 0; c < top_k; ++c) q2k.push_back(static_cast<int32_t>(c));
+    k2q.assign(static_cast<std::size_t>(b * hq * n * top_k), 0x7f7f7f7f);
+    offset.assign(static_cast<std::size_t>(b * hq * (n + 1)), 0x7f7f7f7f);
+    options opt;
+    opt.top_k = top_k;
+    std::size_t fb = 0, bb = 0;
+    REQUIRE(reference::forward(p, opt, fwd(), nullptr, fb).is_ok());
+    REQUIRE(reference::backward(p, opt, bwd(), nullptr, bb).is_ok());
+    workspace_bytes = std::max(fb, bb);
+    workspace = test::aligned_buffer(workspace_bytes);
+  }
+
+  index_lists lists() { return {q2k.data(), count.data(), top_k, k2q.data(), offset.data()}; }
+  forward_io fwd() { return {q.cview(), k.cview(), v.cview(), gate.cview(), o.view()}; }
+  backward_io bwd() {
+    return {q.cview(),   k.cview(), v.cview(), gate.cview(), o.cview(),
+            d_o.cview(), dq.view(), dk.view(), dv.view(),    dgate.view()};
+  }
+
+  // Everything an entry point may write, as bytes.
+  std::vector<unsigned char> snapshot() const {
+    std::vector<unsigned char> all;
+    const auto add = [&](const void* data, std::size_t size) {
+      const unsigned char* c = static_cast<const unsigned char*>(data);
+      all.insert(all.end(), c, c + size);
+    };
+    for (const host_tensor* t : {&o, &dq, &dk, &dv, &dgate, &q_c, &k_c, &v_c, &o_c, &d_o_c, &q})
+      add(t->data(), t->bytes.size());
+    for (const std::vector<float>* f : {&scores, &lse_c, &lse, &dq_c, &dk_c, &dv_c})
+      add(f->data(), f->size() * sizeof(float));
+    for (const std::vector<int32_t>* i : {&q2k, &count, &k2q, &offset}) add(i->data(), i->size() * sizeof(int32_t));
+    return all;
+  }
+
+  // Calls every entry point with problem pp (buffers as allocated for p).
+  std::vector<std::pair<const char*, status>> call_all(const problem& pp) {
+    options opt;
+    opt.top_k = top_k;
+    std::size_t bytes = workspace_bytes;
+    const float scale = 0.5f;
+    const index_lists idx = lists();
+    std::vector<std::pair<const char*, status>> r;
+    r.emplace_back("tile", reference::tile(pp, pp.q_heads, rq.cview(), q.view()));
+    r.emplace_back("untile", reference::untile(pp, pp.q_heads, q.cview(), rq.view()));
+    r.emplace_back("block_means",
+                   reference::block_means(pp, q.cview(), k.cview(), v.cview(), q_c.data(), k_c.data(), v_c.data()));
+    r.emplace_back("coarse_attention", reference::coarse_attention(pp, scale, q_c.data(), k_c.data(), v_c.data(),
+                                                                   scores.data(), o_c.data(), lse_c.data()));
+    r.emplace_back("coarse_attention_backward", reference::coarse_attention_backward(
+                                                    pp, scale, q_c.data(), k_c.data(), v_c.data(), o_c.data(),
+                                                    d_o_c.data(), lse_c.data(), dq_c.data(), dk_c.data(), dv_c.data()));
+    r.emplace_back("select_top_k", reference::select_top_k(pp, top_k, scores.data(), idx));
+    r.emplace_back("build_k2q", reference::build_k2q(pp, idx));
+    r.emplace_back("sparse_attention_forward",
+                   reference::sparse_attention_forward(pp, scale, q.cview(), k.cview(), v.cview(), as_const(idx),
+                                                       o.view(), lse.data()));
+    r.emplace_back("sparse_attention_backward", reference::sparse_attention_backward(
+                                                    pp, scale, q.cview(), k.cview(), v.cview(), o.cview(), d_o.cview(),
+                                                    lse.data(), as_const(idx), dq.view(), dk.view(), dv.view()));
+    r.emplace_back("combine", reference::combine(pp, o.cview(), gate.cview(), o_c.data(), o.view()));
+    r.emplace_back("combine_backward",
+                   reference::combine_backward(pp, d_o.cview(), gate.cview(), o_c.data(), dgate.view(), d_o_c.data()));
+    r.emplace_back("linear_attention_forward",
+                   reference::linear_attention_forward(pp, feature_map::elu1, 1e-3f, token_order::tiled, q.cview(),
+                                                       k.cview(), v.cview(), o.view()));
+    r.emplace_back("linear_attention_backward",
+                   reference::linear_attention_backward(pp, feature_map::elu1, 1e-3f, token_order::tiled, q.cview(),
+                                                        k.cview(), v.cview(), d_o.cview(), dq.view(), dk.view(),
+                                                        dv.view()));
+    r.emplace_back("forward", reference::forward(pp, opt, fwd(), workspace.data(), bytes));
+    r.emplace_back("backward", reference::backward(pp, opt, bwd(), workspace.data(), bytes));
+    return r;
+  }
+};
+
+void expect_all_rejected(world& w, const problem& bad, errc code, const char* word) {
+  const std::vector<unsigned char> before = w.snapshot();
+  for (const auto& call : w.call_all(bad)) {
+    INFO(call.first << ": " << errc_name(call.second.code()) << ": " << call.second.message());
+    CHECK(call.second.code() == code);
+    CHECK(test::mentions(call.second, word));
+  }
+  CHECK(w.snapshot() == before);
+}
+
+} // namespace
+
+TEST_CASE("every entry point rejects a bad problem and writes nothing", "[cpu][errors]") {
+  VSA_TEST_RNG(g, "errors problem");
+  const problem p = make_problem({5, 6, 7}, 2, 4, 2, 8, dtype::bf16);
+  world w(p, g);
+  {
+    INFO("the valid problem passes everywhere");
+    for (const auto& call : w.call_all(p)) {
+      INFO(call.first << ": " << call.second.message());
+      CHECK(call.second.is_ok());
+    }
+  }
+  // Re-poison what the valid calls wrote.
+  world fresh(p, g);
+  problem bad = p;
+  bad.head_dim = 0;
+  expect_all_rejected(fresh, bad, errc::bad_head_dim, "head_dim");
+  bad.head_dim = 257;
+  expect_all_rejected(fresh, bad, errc::bad_head_dim, "head_dim");
+  bad = p;
+  bad.type = static_cast<dtype>(7);
+  expect_all_rejected(fresh, bad, errc::bad_dtype, "type");
+  bad = p;
+  bad.q_heads = 3; // kv_heads 2 does not divide it
+  expect_all_rejected(fresh, bad, errc::bad_heads, "kv_heads");
+  bad = p;
+  bad.kv_heads = 0;
+  expect_all_rejected(fresh, bad, errc::bad_heads, "heads");
+  bad = p;
+  bad.batch = 0;
+  expect_all_rejected(fresh, bad, errc::bad_batch, "batch");
+  bad = p;
+  bad.grid.w = 0;
+  expect_all_rejected(fresh, bad, errc::bad_grid, "grid");
+  bad.grid = {-4, 6, 7};
+  expect_all_rejected(fresh, bad, errc::bad_grid, "grid");
+  bad.grid = {int64_t(1) << 30, int64_t(1) << 30, int64_t(1) << 30};
+  expect_all_rejected(fresh, bad, errc::bad_grid, "grid");
+  bad.grid = {int64_t(1) << 21, int64_t(1) << 21, 64}; // 2^48 tokens fit in int64, 2^42 tiles do not fit the lists
+  expect_all_rejected(fresh, bad, errc::bad_grid, "grid");
+}
+
+TEST_CASE("the GPU target and the CPU reference accept different dtypes and head dims", "[cpu][errors]") {
+  problem p = make_problem({5, 6, 7}, 1, 2, 2, 96, dtype::f32);
+  CHECK(check_problem(p, target::cpu).is_ok());
+  status s = check_problem(p, target::gpu);
+  CHECK(s.code() == errc::bad_head_dim);
+  CHECK(test::mentions(s, "head_dim"));
+  p.head_dim = 64;
+  s = check_problem(p, target::gpu);
+  CHECK(s.code() == errc::bad_dtype);
+  CHECK(test::mentions(s, "type"));
+  p.type = dtype::f64;
+  CHECK(check_problem(p, target::gpu).code() == errc::bad_dtype);
+  CHECK(check_problem(p, target::cpu).is_ok());
+  p.type = dtype::fp16;
+  CHECK(check_problem(p, target::gpu).is_ok());
+
+  // The reference runs what only it accepts: f64 and head dim 3.
+  VSA_TEST_RNG(g, "errors cpu only");
+  const problem odd = make_problem({5, 6, 7}, 1, 2, 1, 3, dtype::f64);
+  world w(odd, g);
+  for (const auto& call : w.call_all(odd)) {
+    INFO(call.first << ": " << call.second.message());
+    CHECK(call.second.is_ok());
+  }
+}
+
+TEST_CASE("bad tensors, options and lists are rejected by name with outputs untouched", "[cpu][errors]") {
+  VSA_TEST_RNG(g, "errors arguments");
+  const problem p = make_problem({5, 6, 7}, 2, 4, 2, 8, dtype::fp16);
+  world w(p, g);
+  const std::vector<unsigned char> before = w.snapshot();
+  std::size_t bytes = w.workspace_bytes;
+  const auto forward_with = [&](const options& opt, const forward_io& io) {
+    std::size_t b = w.workspace_bytes;
+    return reference::forward(p, opt, io, w.workspace.data(), b);
+  };
+  const auto expect = [&](const status& s, errc code, const char* word) {
+    INFO(errc_name(s.code()) << ": " << s.message());
+    CHECK(s.code() == code);
+    CHECK(test::mentions(s, word));
+    CHECK(w.snapshot() == before);
+  };
+  options opt;
+  opt.top_k = 3;
+
+  forward_io io = w.fwd();
+  io.k.data = nullptr;
+  expect(forward_with(opt, io), errc::null_pointer, "k");
+  io = w.fwd();
+  io.o.data = nullptr;
+  expect(forward_with(opt, io), errc::null_pointer, "o");
+  io = w.fwd();
+  io.q.tokens = w.raster; // raster-sized tensor where tiled is expected
+  expect(forward_with(opt, io), errc::bad_tokens, "q");
+  io = w.fwd();
+  io.v.head_stride = 4; // head rows of 8 elements 4 apart overlap
+  expect(forward_with(opt, io), errc::bad_strides, "v");
+  io = w.fwd();
+  io.gate.token_stride = -io.gate.token_stride;
+  expect(forward_with(opt, io), errc::bad_strides, "gate");
+  io = w.fwd();
+  io.o.batch_stride = 8; // batches overlapping the tokens of the first
+  expect(forward_with(opt, io), errc::bad_strides, "o");
+
+  for (int64_t k : {int64_t(-1), w.n + 1}) {
+    options bad = opt;
+    bad.top_k = k;
+    expect(forward_with(bad, w.fwd()), errc::bad_top_k, "top_k");
+  }
+  for (double sparsity : {1.0, -0.1, static_cast<double>(NAN)}) {
+    options bad;
+    bad.sparsity = sparsity;
+    expect(forward_with(bad, w.fwd()), errc::bad_top_k, "sparsity");
+  }
+  for (float scale : {-1.0f, NAN, INFINITY}) {
+    options bad = opt;
+    bad.scale = scale;
+    expect(forward_with(bad, w.fwd()), errc::bad_argument, "scale");
+  }
+  {
+    std::size_t small = 1024;
+    expect(reference::forward(p, opt, w.fwd(), w.workspace.data(), small), errc::bad_workspace, "workspace");
+  }
+
+  // Caller-supplied lists: out of range, repeated, not ascending; through the op and the sparse stage.
+  std::vector<std::vector<int32_t>> defects;
+  for (int kind = 0; kind < 4; ++kind) {
+    std::vector<int32_t> lists = w.q2k;
+    const std::size_t row = static_cast<std::size_t>(5 * w.top_k);
+    if (kind == 0) lists[row + 2] = static_cast<int32_t>(w.n);
+    if (kind == 1) lists[row + 1] = -3;
+    if (kind == 2) lists[row + 2] = lists[row + 1];
+    if (kind == 3) std::swap(lists[row], lists[row + 2]);
+    defects.push_back(lists);
+  }
+  for (const std::vector<int32_t>& lists : defects) {
+    options given;
+    given.q2k = {lists.data(), w.count.data(), w.top_k, nullptr, nullptr};
+    forward_io plain = w.fwd();
+    plain.gate.data = nullptr;
+    expect(forward_with(given, plain), errc::bad_index, "q2k");
+    expect(reference::sparse_attention_forward(p, 0.5f, w.q.cview(), w.k.cview(), w.v.cview(), given.q2k, w.o.view(),
+                                               w.lse.data()),
+           errc::bad_index, "q2k");
+  }
+  {
+    options given;
+    std::vector<int32_t> counts = w.count;
+    counts[7] = static_cast<int32_t>(w.top_k + 1);
+    given.q2k = {w.q2k.data(), counts.data(), w.top_k, nullptr, nullptr};
+    forward_io plain = w.fwd();
+    plain.gate.data = nullptr;
+    expect(forward_with(given, plain), errc::bad_index, "q2k_count");
+    given.q2k = {w.q2k.data(), nullptr, w.top_k, nullptr, nullptr};
+    expect(forward_with(given, plain), errc::null_pointer, "q2k");
+  }
+
+  // Backward: the gradient of an absent gate, a missing gradient, a bad stage scale.
+  backward_io bio = w.bwd();
+  bio.gate.data = nullptr;
+  expect(reference::backward(p, opt, bio, w.workspace.data(), bytes), errc::bad_argument, "dgate");
+  bio = w.bwd();
+  bio.dgate.data = nullptr;
+  expect(reference::backward(p, opt, bio, w.workspace.data(), bytes), errc::null_pointer, "dgate");
+  bio = w.bwd();
+  bio.dv.tokens = w.slots - 1;
+  expect(reference::backward(p, opt, bio, w.workspace.data(), bytes), errc::bad_tokens, "dv");
+  bio = w.bwd();
+  bio.d_o.data = nullptr;
+  expect(reference::backward(p, opt, bio, w.workspace.data(), bytes), errc::null_pointer, "d_o");
+  expect(reference::sparse_attention_forward(p, 0.0f, w.q.cview(), w.k.cview(), w.v.cview(), as_const(w.lists()),
+                                             w.o.view(), w.lse.data()),
+         errc::bad_argument, "scale");
+  expect(reference::sparse_attention_forward(p, 0.5f, w.q.cview(), w.k.cview(), w.v.cview(), as_const(w.lists()),
+                                             w.o.view(), nullptr),
+         errc::null_pointer, "lse");
+  expect(reference::block_means(p, w.q.cview(), w.k.cview(), w.v.cview(), w.q_c.data(), nullptr, w.v_c.data()),
+         errc::null_pointer, "k_c");
+  expect(reference::coarse_attention(p, 0.5f, w.q_c.data(), w.k_c.data(), w.v_c.data(), nullptr, w.o_c.data(),
+                                     w.lse_c.data()),
+         errc::null_pointer, "scores");
+  expect(reference::coarse_attention(p, 0.5f, w.q_c.data(), w.k_c.data(), w.v_c.data(), w.scores.data(), w.o_c.data(),
+                                     reinterpret_cast<float*>(reinterpret_cast<char*>(w.lse_c.data()) + 1)),
+         errc::misaligned_pointer, "lse_c");
+}

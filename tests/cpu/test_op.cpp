@@ -1,0 +1,413 @@
+#include "support/host.hpp"
+
+#include <vsa/reference.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+using namespace vsa;
+using test::host_tensor;
+using test::layout;
+using test::make_problem;
+
+namespace {
+
+struct op_tensors {
+  host_tensor q, k, v, gate;
+};
+
+op_tensors random_op(const problem& p, test::rng& g, layout order = layout::bshd) {
+  const int64_t s = tile_geometry(p.grid).tiled_tokens();
+  op_tensors x{host_tensor(p.type, p.batch, s, p.q_heads, p.head_dim, order),
+               host_tensor(p.type, p.batch, s, p.kv_heads, p.head_dim, order),
+               host_tensor(p.type, p.batch, s, p.kv_heads, p.head_dim, order),
+               host_tensor(p.type, p.batch, s, p.q_heads, p.head_dim, order)};
+  for (host_tensor* t : {&x.q, &x.k, &x.v, &x.gate}) test::fill_tiled_normal(*t, p.grid, g);
+  return x;
+}
+
+// Runs the op forward (and backward when d_o is given) on its own workspace.
+struct op_result {
+  host_tensor o, dq, dk, dv, dgate;
+  std::size_t forward_bytes = 0, backward_bytes = 0;
+};
+
+op_result run_op(const problem& p, const options& opt, const op_tensors& x, bool gated, const host_tensor* d_o,
+                 layout order = layout::bshd) {
+  const int64_t s = tile_geometry(p.grid).tiled_tokens();
+  op_result r;
+  r.o = host_tensor(p.type, p.batch, s, p.q_heads, p.head_dim, order);
+  r.o.fill_byte(test::poison_byte);
+  forward_io io{x.q.cview(), x.k.cview(), x.v.cview(), x.gate.cview(), r.o.view()};
+  if (!gated) io.gate.data = nullptr;
+  REQUIRE(reference::forward(p, opt, io, nullptr, r.forward_bytes).is_ok());
+  backward_io bio{x.q.cview(), x.k.cview(), x.v.cview(), io.gate, r.o.cview(), {}, {}, {}, {}, {}};
+  r.dq = host_tensor(p.type, p.batch, s, p.q_heads, p.head_dim, order);
+  r.dk = host_tensor(p.type, p.batch, s, p.kv_heads, p.head_dim, order);
+  r.dv = host_tensor(p.type, p.batch, s, p.kv_heads, p.head_dim, order);
+  r.dgate = host_tensor(p.type, p.batch, s, p.q_heads, p.head_dim, order);
+  bio.d_o = d_o != nullptr ? d_o->cview() : r.o.cview();
+  bio.dq = r.dq.view();
+  bio.dk = r.dk.view();
+  bio.dv = r.dv.view();
+  bio.dgate = r.dgate.view();
+  if (!gated) bio.dgate.data = nullptr;
+  REQUIRE(reference::backward(p, opt, bio, nullptr, r.backward_bytes).is_ok());
+  test::aligned_buffer ws(std::max(r.forward_bytes, r.backward_bytes));
+  std::size_t bytes = r.forward_bytes;
+  REQUIRE(reference::forward(p, opt, io, ws.data(), bytes).is_ok());
+  if (d_o != nullptr) {
+    for (host_tensor* t : {&r.dq, &r.dk, &r.dv, &r.dgate}) t->fill_byte(test::poison_byte);
+    bytes = r.backward_bytes;
+    REQUIRE(reference::backward(p, opt, bio, ws.data(), bytes).is_ok());
+  }
+  return r;
+}
+
+bool is_padding(const tile_geometry& geo, int64_t s) { return s % 64 >= geo.valid(s / 64); }
+
+} // namespace
+
+TEST_CASE("the op with every tile selected is dense attention plus the gated coarse output", "[cpu][op]") {
+  VSA_TEST_RNG(g, "op dense");
+  const problem p = make_problem({9, 10, 11}, 1, 2, 1, 64, dtype::f32);
+  const tile_geometry geo(p.grid);
+  const int64_t n = geo.num_tiles(), raster = geo.raster_tokens();
+  const op_tensors x = random_op(p, g);
+  options opt;
+  opt.sparsity = 0.0; // k = N
+  const op_result r = run_op(p, opt, x, true, nullptr);
+
+  // Independent: means by tile over raster positions, dense softmax on them, dense attention on tokens.
+  const std::vector<int64_t> slot = test::tiled_slots(p.grid);
+  const double scale = 1.0 / 8.0;
+  std::vector<std::vector<double>> qc(2 * n, std::vector<double>(64)), kc(n, std::vector<double>(64)),
+      vc(n, std::vector<double>(64));
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t d = 0; d < 64; ++d) {
+      double sq0 = 0, sq1 = 0, sk = 0, sv = 0;
+      int cnt = 0;
+      for (int64_t t = 0; t < raster; ++t)
+        if (slot[t] / 64 == i) {
+          sq0 += x.q.get(0, slot[t], 0, d);
+          sq1 += x.q.get(0, slot[t], 1, d);
+          sk += x.k.get(0, slot[t], 0, d);
+          sv += x.v.get(0, slot[t], 0, d);
+          ++cnt;
+        }
+      qc[i][d] = round_to(sq0 / cnt, p.type);
+      qc[n + i][d] = round_to(sq1 / cnt, p.type);
+      kc[i][d] = round_to(sk / cnt, p.type);
+      vc[i][d] = round_to(sv / cnt, p.type);
+    }
+  std::vector<double> want, got;
+  std::vector<double> s(static_cast<std::size_t>(raster));
+  for (int64_t h = 0; h < 2; ++h) {
+    std::vector<std::vector<double>> oc(n, std::vector<double>(64, 0.0));
+    for (int64_t i = 0; i < n; ++i) {
+      std::vector<double> w(static_cast<std::size_t>(n));
+      double sum = 0;
+      for (int64_t j = 0; j < n; ++j) {
+        double dot = 0;
+        for (int64_t d = 0; d < 64; ++d) dot += qc[h * n + i][d] * kc[j][d];
+        sum += (w[j] = std::exp(scale * dot));
+      }
+      for (int64_t d = 0; d < 64; ++d) {
+        for (int64_t j = 0; j < n; ++j) oc[i][d] += w[j] / sum * vc[j][d];
+        oc[i][d] = round_to(oc[i][d], p.type);
+      }
+    }
+    for (int64_t t = 0; t < raster; ++t) {
+      const int64_t st = slot[t];
+      double m = -INFINITY;
+      for (int64_t u = 0; u < raster; ++u) {
+        double dot = 0;
+        for (int64_t d = 0; d < 64; ++d) dot += x.q.get(0, st, h, d) * x.k.get(0, slot[u], 0, d);
+        s[u] = scale * dot;
+        m = std::max(m, s[u]);
+      }
+      double sum = 0;
+      for (int64_t u = 0; u < raster; ++u) sum += std::exp(s[u] - m);
+      for (int64_t d = 0; d < 64; ++d) {
+        double o = 0;
+        for (int64_t u = 0; u < raster; ++u) o += std::exp(s[u] - m) / sum * x.v.get(0, slot[u], 0, d);
+        want.push_back(o + x.gate.get(0, st, h, d) * oc[st / 64][d]);
+        got.push_back(r.o.get(0, st, h, d));
+      }
+    }
+  }
+  CHECK(test::rel_error(got, want) < 1e-6);
+  bool padding_zero = true;
+  for (int64_t st = 0; st < geo.tiled_tokens(); ++st)
+    if (is_padding(geo, st))
+      for (int64_t h = 0; h < 2; ++h)
+        for (int64_t d = 0; d < 64; ++d) padding_zero = padding_zero && r.o.get(0, st, h, d) == 0.0;
+  CHECK(padding_zero);
+}
+
+TEST_CASE("the op equals its stages run one after another", "[cpu][op]") {
+  VSA_TEST_RNG(g, "op stages");
+  for (dtype t : {dtype::bf16, dtype::f32}) {
+    INFO("dtype " << dtype_name(t));
+    const problem p = make_problem({5, 6, 7}, 2, 4, 2, 16, t);
+    const tile_geometry geo(p.grid);
+    const int64_t n = geo.num_tiles(), slots = geo.tiled_tokens();
+    const op_tensors x = random_op(p, g);
+    host_tensor d_o(p.type, 2, slots, 4, 16);
+    d_o.fill_normal(g);
+    options opt;
+    opt.sparsity = 0.6; // k = 4 of 8
+    opt.scale = 0.3f;
+    const op_result r = run_op(p, opt, x, true, &d_o);
+
+    host_tensor q_c(t, 2, n, 4, 16, layout::bhsd), k_c(t, 2, n, 2, 16, layout::bhsd), v_c(t, 2, n, 2, 16, layout::bhsd),
+        o_c(t, 2, n, 4, 16, layout::bhsd);
+    REQUIRE(
+        reference::block_means(p, x.q.cview(), x.k.cview(), x.v.cview(), q_c.data(), k_c.data(), v_c.data()).is_ok());
+    std::vector<float> scores(static_cast<std::size_t>(2 * 4 * n * n)), lse_c(static_cast<std::size_t>(2 * 4 * n)),
+        lse(static_cast<std::size_t>(2 * 4 * slots));
+    REQUIRE(reference::coarse_attention(p, 0.3f, q_c.data(), k_c.data(), v_c.data(), scores.data(), o_c.data(),
+                                        lse_c.data())
+                .is_ok());
+    std::vector<int32_t> q2k(static_cast<std::size_t>(2 * 4 * n * 4)), count(static_cast<std::size_t>(2 * 4 * n));
+    const index_lists lists{q2k.data(), count.data(), 4, nullptr, nullptr};
+    REQUIRE(reference::select_top_k(p, 4, scores.data(), lists).is_ok());
+    host_tensor o_s(t, 2, slots, 4, 16), o(t, 2, slots, 4, 16);
+    REQUIRE(reference::sparse_attention_forward(p, 0.3f, x.q.cview(), x.k.cview(), x.v.cview(), as_const(lists),
+                                                o_s.view(), lse.data())
+                .is_ok());
+    REQUIRE(reference::combine(p, o_s.cview(), x.gate.cview(), o_c.data(), o.view()).is_ok());
+    CHECK(o.bytes == r.o.bytes);
+
+    if (t != dtype::f32) continue; // the stages round their gradients to p.type; compare where that is benign
+    host_tensor dq(t, 2, slots, 4, 16), dk(t, 2, slots, 2, 16), dv(t, 2, slots, 2, 16), dgate(t, 2, slots, 4, 16),
+        d_o_c(t, 2, n, 4, 16, layout::bhsd);
+    REQUIRE(reference::sparse_attention_backward(p, 0.3f, x.q.cview(), x.k.cview(), x.v.cview(), o_s.cview(),
+                                                 d_o.cview(), lse.data(), as_const(lists), dq.view(), dk.view(),
+                                                 dv.view())
+                .is_ok());
+    REQUIRE(
+        reference::combine_backward(p, d_o.cview(), x.gate.cview(), o_c.data(), dgate.view(), d_o_c.data()).is_ok());
+    host_tensor dq_c(dtype::f32, 2, n, 4, 16, layout::bhsd), dk_c(dtype::f32, 2, n, 2, 16, layout::bhsd),
+        dv_c(dtype::f32, 2, n, 2, 16, layout::bhsd);
+    REQUIRE(reference::coarse_attention_backward(p, 0.3f, q_c.data(), k_c.data(), v_c.data(), o_c.data(), d_o_c.data(),
+                                                 lse_c.data(), static_cast<float*>(dq_c.data()),
+                                                 static_cast<float*>(dk_c.data()), static_cast<float*>(dv_c.data()))
+                .is_ok());
+    const auto add_means = [&](host_tensor& grad, const host_tensor& grad_c) {
+      for (int64_t b = 0; b < 2; ++b)
+        for (int64_t st = 0; st < slots; ++st)
+          for (int64_t h = 0; h < grad.heads; ++h)
+            for (int64_t d = 0; d < 16; ++d)
+              if (!is_padding(geo, st))
+                grad.set(b, st, h, d, grad.get(b, st, h, d) + grad_c.get(b, st / 64, h, d) / geo.valid(st / 64));
+    };
+    add_means(dq, dq_c);
+    add_means(dk, dk_c);
+    add_means(dv, dv_c);
+    CHECK(test::rel_error(r.dq, dq) < 1e-5);
+    CHECK(test::rel_error(r.dk, dk) < 1e-5);
+    CHECK(test::rel_error(r.dv, dv) < 1e-5);
+    CHECK(dgate.bytes == r.dgate.bytes);
+  }
+}
+
+TEST_CASE("the op backward matches finite differences of the whole op", "[cpu][op][grad]") {
+  VSA_TEST_RNG(g, "op backward");
+  const problem p = make_problem({5, 6, 7}, 1, 2, 1, 8, dtype::f64);
+  const tile_geometry geo(p.grid);
+  const int64_t n = geo.num_tiles(), slots = geo.tiled_tokens();
+  options opt;
+  opt.top_k = 3;
+  // Inputs whose selection has a clear margin, so that the small steps below never change it.
+  op_tensors x;
+  for (int attempt = 0;; ++attempt) {
+    REQUIRE(attempt < 20);
+    x = random_op(p, g);
+    host_tensor q_c(p.type, 1, n, 2, 8, layout::bhsd), k_c(p.type, 1, n, 1, 8, layout::bhsd),
+        v_c(p.type, 1, n, 1, 8, layout::bhsd), o_c(p.type, 1, n, 2, 8, layout::bhsd);
+    REQUIRE(
+        reference::block_means(p, x.q.cview(), x.k.cview(), x.v.cview(), q_c.data(), k_c.data(), v_c.data()).is_ok());
+    std::vector<float> scores(static_cast<std::size_t>(2 * n * n)), lse_c(static_cast<std::size_t>(2 * n));
+    REQUIRE(reference::coarse_attention(p, reference::resolve_scale(p, opt), q_c.data(), k_c.data(), v_c.data(),
+                                        scores.data(), o_c.data(), lse_c.data())
+                .is_ok());
+    double margin = INFINITY;
+    for (int64_t row = 0; row < 2 * n; ++row) {
+      std::vector<float> sorted(scores.begin() + row * n, scores.begin() + (row + 1) * n);
+      std::sort(sorted.rbegin(), sorted.rend());
+      margin = std::min(margin, static_cast<double>(sorted[2] - sorted[3]));
+    }
+    if (margin > 1e-4) break;
+  }
+  host_tensor w(p.type, 1, slots, 2, 8);
+  w.fill_normal(g);
+  const op_result r = run_op(p, opt, x, true, &w);
+  const auto loss = [&]() { return test::inner(run_op(p, opt, x, true, nullptr).o, w); };
+
+  const std::pair<host_tensor*, const host_tensor*> pairs[] = {
+      {&x.q, &r.dq}, {&x.k, &r.dk}, {&x.v, &r.dv}, {&x.gate, &r.dgate}};
+  for (const auto& pr : pairs) {
+    for (int direction = 0; direction < 2; ++direction) {
+      host_tensor u(dtype::f64, 1, slots, pr.first->heads, 8);
+      test::fill_tiled_normal(u, p.grid, g);
+      const double fd = test::directional_difference(*pr.first, u, 1e-6, loss);
+      const double analytic = test::inner(*pr.second, u);
+      // Relative to ||grad||·||u||, the size a sum of rounding errors over all elements can reach.
+      CHECK(std::fabs(fd - analytic) <= 1e-6 * test::norm(*pr.second) * test::norm(u));
+    }
+    for (int trial = 0; trial < 6; ++trial) {
+      int64_t s = g.integer(0, slots - 1);
+      while (is_padding(geo, s)) s = g.integer(0, slots - 1);
+      const int64_t h = g.integer(0, pr.first->heads - 1), d = g.integer(0, 7);
+      const double fd = test::element_difference(*pr.first, pr.first->index(0, s, h, d), 1e-6, loss);
+      CHECK(fd == Approx(pr.second->get(0, s, h, d)).epsilon(1e-5).margin(1e-7));
+    }
+  }
+  for (const host_tensor* t : {&r.dq, &r.dk, &r.dv, &r.dgate})
+    for (int64_t s = 0; s < slots; ++s)
+      if (is_padding(geo, s))
+        for (int64_t h = 0; h < t->heads; ++h)
+          for (int64_t d = 0; d < 8; ++d) REQUIRE(t->get(0, s, h, d) == 0.0);
+}
+
+TEST_CASE("the op with caller-supplied lists is the sparse pass alone", "[cpu][op]") {
+  VSA_TEST_RNG(g, "op q2k");
+  const problem p = make_problem({9, 13, 3}, 1, 2, 2, 8, dtype::f32);
+  const tile_geometry geo(p.grid);
+  const int64_t n = geo.num_tiles(), slots = geo.tiled_tokens(), rows = 2 * n;
+  std::vector<int32_t> q2k(static_cast<std::size_t>(rows * 3), -1), count(static_cast<std::size_t>(rows));
+  for (int64_t row = 0; row < rows; ++row) {
+    count[row] = static_cast<int32_t>(row % 4); // ragged: 0..3
+    for (int32_t c = 0; c < count[row]; ++c) q2k[row * 3 + c] = static_cast<int32_t>((row + 2 * c) % n);
+    std::sort(q2k.begin() + row * 3, q2k.begin() + row * 3 + count[row]);
+  }
+  options opt;
+  opt.q2k = {q2k.data(), count.data(), 3, nullptr, nullptr};
+  opt.top_k = 1000; // ignored with caller lists
+  const op_tensors x = random_op(p, g);
+  host_tensor d_o(p.type, 1, slots, 2, 8);
+  d_o.fill_normal(g);
+  const op_result r = run_op(p, opt, x, false, &d_o);
+
+  const float scale = reference::resolve_scale(p, opt);
+  host_tensor o_s(p.type, 1, slots, 2, 8), dq(p.type, 1, slots, 2, 8), dk(p.type, 1, slots, 2, 8),
+      dv(p.type, 1, slots, 2, 8);
+  std::vector<float> lse(static_cast<std::size_t>(2 * slots));
+  REQUIRE(reference::sparse_attention_forward(p, scale, x.q.cview(), x.k.cview(), x.v.cview(), opt.q2k, o_s.view(),
+                                              lse.data())
+              .is_ok());
+  CHECK(o_s.bytes == r.o.bytes);
+  REQUIRE(reference::sparse_attention_backward(p, scale, x.q.cview(), x.k.cview(), x.v.cview(), o_s.cview(),
+                                               d_o.cview(), lse.data(), opt.q2k, dq.view(), dk.view(), dv.view())
+              .is_ok());
+  CHECK(test::rel_error(r.dq, dq) < 1e-6);
+  CHECK(test::rel_error(r.dk, dk) < 1e-6);
+  CHECK(test::rel_error(r.dv, dv) < 1e-6);
+
+  // A gate makes no sense without the coarse branch.
+  host_tensor o(p.type, 1, slots, 2, 8);
+  o.fill_byte(test::poison_byte);
+  const std::vector<unsigned char> before = o.bytes;
+  std::size_t bytes = 0;
+  const status s =
+      reference::forward(p, opt, {x.q.cview(), x.k.cview(), x.v.cview(), x.gate.cview(), o.view()}, nullptr, bytes);
+  CHECK(s.code() == errc::bad_argument);
+  CHECK(test::mentions(s, "gate"));
+  CHECK(o.bytes == before);
+}
+
+TEST_CASE("the op: GQA equals repeated kv heads, and layouts agree", "[cpu][op][gqa]") {
+  VSA_TEST_RNG(g, "op gqa");
+  const problem p = make_problem({5, 6, 7}, 2, 4, 2, 8, dtype::f64);
+  problem rep = p;
+  rep.kv_heads = 4;
+  const int64_t slots = tile_geometry(p.grid).tiled_tokens();
+  const op_tensors x = random_op(p, g);
+  op_tensors xr{x.q, host_tensor(p.type, 2, slots, 4, 8), host_tensor(p.type, 2, slots, 4, 8), x.gate};
+  for (int64_t b = 0; b < 2; ++b)
+    for (int64_t s = 0; s < slots; ++s)
+      for (int64_t h = 0; h < 4; ++h)
+        for (int64_t d = 0; d < 8; ++d) {
+          xr.k.set(b, s, h, d, x.k.get(b, s, h / 2, d));
+          xr.v.set(b, s, h, d, x.v.get(b, s, h / 2, d));
+        }
+  host_tensor d_o(p.type, 2, slots, 4, 8);
+  d_o.fill_normal(g);
+  options opt;
+  opt.top_k = 3;
+  const op_result r = run_op(p, opt, x, true, &d_o), rr = run_op(rep, opt, xr, true, &d_o);
+  CHECK(r.o.bytes == rr.o.bytes);
+  CHECK(test::rel_error(r.dq, rr.dq) < 1e-13);
+  CHECK(test::rel_error(r.dgate, rr.dgate) == 0.0);
+  host_tensor dk_sum(p.type, 2, slots, 2, 8), dv_sum(p.type, 2, slots, 2, 8);
+  for (int64_t b = 0; b < 2; ++b)
+    for (int64_t s = 0; s < slots; ++s)
+      for (int64_t h = 0; h < 2; ++h)
+        for (int64_t d = 0; d < 8; ++d) {
+          dk_sum.set(b, s, h, d, rr.dk.get(b, s, 2 * h, d) + rr.dk.get(b, s, 2 * h + 1, d));
+          dv_sum.set(b, s, h, d, rr.dv.get(b, s, 2 * h, d) + rr.dv.get(b, s, 2 * h + 1, d));
+        }
+  CHECK(test::rel_error(r.dk, dk_sum) < 1e-13);
+  CHECK(test::rel_error(r.dv, dv_sum) < 1e-13);
+
+  const op_tensors xb{x.q.converted(p.type, layout::bhsd), x.k.converted(p.type, layout::bhsd),
+                      x.v.converted(p.type, layout::bhsd), x.gate.converted(p.type, layout::bhsd)};
+  const host_tensor d_ob = d_o.converted(p.type, layout::bhsd);
+  const op_result rb = run_op(p, opt, xb, true, &d_ob, layout::bhsd);
+  CHECK(test::rel_error(rb.o, r.o) == 0.0);
+  CHECK(test::rel_error(rb.dq, r.dq) == 0.0);
+  CHECK(test::rel_error(rb.dk, r.dk) == 0.0);
+  CHECK(test::rel_error(rb.dv, r.dv) == 0.0);
+  CHECK(test::rel_error(rb.dgate, r.dgate) == 0.0);
+}
+
+TEST_CASE("the op's two-phase workspace", "[cpu][op][workspace]") {
+  VSA_TEST_RNG(g, "op workspace");
+  const problem p = make_problem({5, 6, 7}, 1, 2, 1, 8, dtype::bf16);
+  const int64_t slots = tile_geometry(p.grid).tiled_tokens();
+  const op_tensors x = random_op(p, g);
+  host_tensor o(p.type, 1, slots, 2, 8);
+  o.fill_byte(test::poison_byte);
+  const std::vector<unsigned char> before = o.bytes;
+  options opt;
+  const forward_io io{x.q.cview(), x.k.cview(), x.v.cview(), x.gate.cview(), o.view()};
+  std::size_t forward_bytes = 0, backward_bytes = 0;
+  REQUIRE(reference::forward(p, opt, io, nullptr, forward_bytes).is_ok());
+  CHECK(forward_bytes > 0);
+  CHECK(o.bytes == before); // a size query writes nothing
+  host_tensor dq(p.type, 1, slots, 2, 8), dk(p.type, 1, slots, 1, 8), dv(p.type, 1, slots, 1, 8),
+      dgate(p.type, 1, slots, 2, 8);
+  const backward_io bio{x.q.cview(), x.k.cview(), x.v.cview(), x.gate.cview(), o.cview(),
+                        o.cview(),   dq.view(),   dk.view(),   dv.view(),      dgate.view()};
+  REQUIRE(reference::backward(p, opt, bio, nullptr, backward_bytes).is_ok());
+  CHECK(backward_bytes >= forward_bytes);
+
+  test::aligned_buffer ws(backward_bytes + 512);
+  std::size_t bytes = forward_bytes - 1;
+  status s = reference::forward(p, opt, io, ws.data(), bytes);
+  CHECK(s.code() == errc::bad_workspace);
+  CHECK(test::mentions(s, "workspace"));
+  bytes = forward_bytes;
+  s = reference::forward(p, opt, io, static_cast<unsigned char*>(ws.data()) + 8, bytes);
+  CHECK(s.code() == errc::misaligned_pointer);
+  CHECK(test::mentions(s, "workspace"));
+  CHECK(o.bytes == before);
+
+  REQUIRE(reference::forward(p, opt, io, ws.data(), bytes).is_ok());
+  CHECK(o.bytes != before);
+  for (host_tensor* t : {&dq, &dk, &dv, &dgate}) t->fill_byte(test::poison_byte);
+  const std::vector<unsigned char> dq_before = dq.bytes;
+  bytes = forward_bytes; // enough for the forward, not for the backward
+  if (backward_bytes > forward_bytes) {
+    s = reference::backward(p, opt, bio, ws.data(), bytes);
+    CHECK(s.code() == errc::bad_workspace);
+    CHECK(dq.bytes == dq_before);
+  }
+  bytes = backward_bytes;
+  REQUIRE(reference::backward(p, opt, bio, ws.data(), bytes).is_ok());
+  // Every element of every output written (no poison left).
+  for (const host_tensor* t : {&o, &dq, &dk, &dv, &dgate})
+    for (int64_t e = 0; e < t->elements(); ++e) REQUIRE(!std::isnan(t->at(e)));
+}

@@ -1,0 +1,474 @@
+// Sparse attention (stage 6), coarse attention (stage 3) and the whole op on the GPU against the CPU
+// reference, forward and backward, on fresh random problems with partial tiles, GQA, both layouts, bf16
+// and fp16, k = 1 and k = N; outputs poisoned before every call and checked fully written.
+#include "support/gpu.hpp"
+#include "support/host.hpp"
+
+#include <vsa/gpu/op.hpp>
+#include <vsa/numeric.hpp>
+#include <vsa/reference.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+namespace vsa {
+namespace test {
+namespace {
+
+struct config {
+  grid3 grid;
+  int64_t batch, q_heads, kv_heads, head_dim;
+  dtype type;
+  layout order;
+};
+
+std::string describe(const config& c) {
+  return std::to_string(c.grid.t) + "x" + std::to_string(c.grid.h) + "x" + std::to_string(c.grid.w) + " B" +
+         std::to_string(c.batch) + " Hq" + std::to_string(c.q_heads) + " Hkv" + std::to_string(c.kv_heads) + " D" +
+         std::to_string(c.head_dim) + " " + dtype_name(c.type) + (c.order == layout::bshd ? " bshd" : " bhsd");
+}
+
+// The configurations every test runs: partial tiles on every axis, GQA, both layouts, both dtypes.
+std::vector<config> configs() {
+  return {
+      {{5, 6, 7}, 2, 4, 2, 64, dtype::bf16, layout::bshd},
+      {{9, 10, 11}, 1, 2, 2, 128, dtype::bf16, layout::bhsd},
+      {{7, 5, 9}, 1, 4, 1, 128, dtype::fp16, layout::bshd},
+      {{4, 8, 13}, 2, 2, 1, 64, dtype::fp16, layout::bhsd},
+  };
+}
+
+problem to_problem(const config& c) { return make_problem(c.grid, c.batch, c.q_heads, c.kv_heads, c.head_dim, c.type); }
+
+// Host lists: q2k rows with `count(row)` distinct ascending tiles, and the reference's k2q.
+struct host_lists {
+  int64_t capacity;
+  std::vector<int32_t> q2k, count, k2q, offset;
+  index_lists view() { return {q2k.data(), count.data(), capacity, k2q.data(), offset.data()}; }
+};
+
+template <class Count> host_lists random_lists(const problem& p, int64_t capacity, rng& g, Count count) {
+  const int64_t n = tile_geometry(p.grid).num_tiles(), rows = p.batch * p.q_heads * n;
+  host_lists l{capacity, std::vector<int32_t>(rows * capacity, -1), std::vector<int32_t>(rows),
+               std::vector<int32_t>(rows * capacity, -1), std::vector<int32_t>(p.batch * p.q_heads * (n + 1))};
+  std::vector<int32_t> perm(n);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t c = count(r);
+    std::iota(perm.begin(), perm.end(), 0);
+    for (int64_t t = 0; t < c; ++t) std::swap(perm[t], perm[t + g.integer(0, n - 1 - t)]);
+    std::sort(perm.begin(), perm.begin() + c);
+    std::copy(perm.begin(), perm.begin() + c, l.q2k.begin() + r * capacity);
+    l.count[r] = static_cast<int32_t>(c);
+  }
+  REQUIRE(reference::build_k2q(p, l.view()).is_ok());
+  return l;
+}
+
+struct device_lists {
+  device_buffer q2k, count, k2q, offset;
+  int64_t capacity;
+  explicit device_lists(const host_lists& h)
+      : q2k(upload(h.q2k)), count(upload(h.count)), k2q(upload(h.k2q)), offset(upload(h.offset)),
+        capacity(h.capacity) {}
+  const_index_lists view() const {
+    return {q2k.as<int32_t>(), count.as<int32_t>(), capacity, k2q.as<int32_t>(), offset.as<int32_t>()};
+  }
+};
+
+// A tiled tensor of random values in valid slots, zeros in padding (as tile() leaves them).
+host_tensor tiled_input(const config& c, int64_t heads, rng& g) {
+  host_tensor x(c.type, c.batch, tile_geometry(c.grid).tiled_tokens(), heads, c.head_dim, c.order);
+  fill_tiled_normal(x, c.grid, g);
+  return x;
+}
+
+// Relative error of a GPU output against the reference, both read through their views.
+double error_of(const device_tensor& gpu, const host_tensor& ref) { return rel_error(gpu.download(), ref); }
+
+// The tolerance of a 16-bit output: rounding of the inputs and of the output itself.
+constexpr double tolerance = 1e-2;
+
+void check_sparse(const config& c, int64_t capacity, const char* label, bool ragged) {
+  const problem p = to_problem(c);
+  VSA_TEST_RNG(g, label);
+  INFO(describe(c) << " capacity " << capacity << (ragged ? " ragged" : ""));
+  const int64_t n = tile_geometry(p.grid).num_tiles();
+  const int64_t tokens = tile_geometry(p.grid).tiled_tokens();
+  host_lists lists = random_lists(p, capacity, g, [&](int64_t) { return ragged ? g.integer(0, capacity) : capacity; });
+  const host_tensor q = tiled_input(c, p.q_heads, g), k = tiled_input(c, p.kv_heads, g),
+                    v = tiled_input(c, p.kv_heads, g), d_o = tiled_input(c, p.q_heads, g);
+  const float scale = 1.f / std::sqrt(float(c.head_dim));
+
+  // Reference, in double internally, rounded to the dtype at its outputs.
+  host_tensor o_ref(c.type, c.batch, tokens, p.q_heads, c.head_dim, c.order);
+  std::vector<float> lse_ref(p.batch * p.q_heads * tokens);
+  REQUIRE(reference::sparse_attention_forward(p, scale, q.view(), k.view(), v.view(), as_const(lists.view()),
+                                              o_ref.view(), lse_ref.data())
+              .is_ok());
+
+  const device_tensor dq_in(q), dk_in(k), dv_in(v), ddo(d_o);
+  device_tensor o(o_ref, poisoned);
+  device_buffer lse(lse_ref.size() * sizeof(float));
+  lse.poison();
+  const device_lists dl(lists);
+  const status st = sparse_attention_forward(p, scale, dq_in.cview(), dk_in.cview(), dv_in.cview(), dl.view(),
+                                             o.view(), lse.as<float>(), nullptr);
+  INFO(st.message());
+  REQUIRE(st.is_ok());
+  VSA_REQUIRE_RT(gpu_sync());
+  CHECK(o.all_written());
+  CHECK(o.canaries_intact());
+  const double err = error_of(o, o_ref);
+  CHECK(err < tolerance);
+  const std::vector<float> lse_gpu = lse.download<float>();
+  int64_t lse_bad = 0;
+  for (std::size_t r = 0; r < lse_ref.size(); ++r) {
+    const bool same_inf = std::isinf(lse_ref[r]) && lse_gpu[r] == lse_ref[r];
+    if (!same_inf && !(std::fabs(lse_gpu[r] - lse_ref[r]) <= 1e-3f * (1.f + std::fabs(lse_ref[r])))) ++lse_bad;
+  }
+  CHECK(lse_bad == 0);
+
+  // Backward: reference, then the GPU twice (bitwise reproducible).
+  host_tensor dq_ref(c.type, c.batch, tokens, p.q_heads, c.head_dim, c.order),
+      dk_ref(c.type, c.batch, tokens, p.kv_heads, c.head_dim, c.order),
+      dv_ref(c.type, c.batch, tokens, p.kv_heads, c.head_dim, c.order);
+  REQUIRE(reference::sparse_attention_backward(p, scale, q.view(), k.view(), v.view(), o_ref.view(), d_o.view(),
+                                               lse_ref.data(), as_const(lists.view()), dq_ref.view(), dk_ref.view(),
+                                               dv_ref.view())
+              .is_ok());
+  std::size_t bytes = 0;
+  REQUIRE(sparse_attention_backward(p, scale, {}, {}, {}, {}, {}, nullptr, {}, {}, {}, {}, nullptr, bytes, nullptr)
+              .is_ok());
+  device_buffer ws(bytes);
+  std::vector<std::vector<double>> runs;
+  for (int run = 0; run < 2; ++run) {
+    device_tensor dq(dq_ref, poisoned), dk(dk_ref, poisoned), dv(dv_ref, poisoned);
+    const status sb = sparse_attention_backward(p, scale, dq_in.cview(), dk_in.cview(), dv_in.cview(), o.cview(),
+                                                ddo.cview(), lse.as<float>(), dl.view(), dq.view(), dk.view(),
+                                                dv.view(), ws.get(), bytes, nullptr);
+    INFO(sb.message());
+    REQUIRE(sb.is_ok());
+    VSA_REQUIRE_RT(gpu_sync());
+    CHECK(dq.all_written());
+    CHECK(dk.all_written());
+    CHECK(dv.all_written());
+    CHECK(dq.canaries_intact());
+    CHECK(dk.canaries_intact());
+    CHECK(dv.canaries_intact());
+    // The reference backward uses the reference o_s; the GPU its own: both within rounding of each other.
+    CHECK(error_of(dq, dq_ref) < tolerance);
+    CHECK(error_of(dk, dk_ref) < tolerance);
+    CHECK(error_of(dv, dv_ref) < tolerance);
+    std::vector<double> all = dq.download_raw(), kk = dk.download_raw(), vv = dv.download_raw();
+    all.insert(all.end(), kk.begin(), kk.end());
+    all.insert(all.end(), vv.begin(), vv.end());
+    runs.push_back(all);
+  }
+  CHECK(std::memcmp(runs[0].data(), runs[1].data(), runs[0].size() * sizeof(double)) == 0);
+  (void)n;
+}
+
+TEST_CASE("sparse attention matches the reference", "[gpu][attention]") {
+  for (const config& c : configs()) {
+    const int64_t n = tile_geometry(c.grid).num_tiles();
+    check_sparse(c, std::max<int64_t>(1, n / 3), "sparse-k", false);
+    check_sparse(c, 1, "sparse-k1", false);
+    check_sparse(c, n, "sparse-kN", false); // k = N: dense attention
+    check_sparse(c, n, "sparse-ragged", true);
+  }
+}
+
+TEST_CASE("sparse attention with k = N is dense attention", "[gpu][attention]") {
+  // Independent of the lists machinery: a dense softmax over all valid tokens, computed here.
+  const config c{{6, 5, 7}, 1, 2, 1, 64, dtype::bf16, layout::bshd};
+  const problem p = to_problem(c);
+  VSA_TEST_RNG(g, "dense");
+  const tile_geometry geo(p.grid);
+  const int64_t n = geo.num_tiles(), tokens = geo.tiled_tokens();
+  host_lists lists = random_lists(p, n, g, [&](int64_t) { return n; });
+  const host_tensor q = tiled_input(c, 2, g), k = tiled_input(c, 1, g), v = tiled_input(c, 1, g);
+  host_tensor ref(c.type, 1, tokens, 2, 64, c.order);
+  const double scale = 1.0 / 8.0;
+  for (int64_t h = 0; h < 2; ++h)
+    for (int64_t s = 0; s < tokens; ++s) {
+      if (s % 64 >= geo.valid(s / 64)) continue;
+      std::vector<double> w;
+      double mx = -1e300;
+      for (int64_t t = 0; t < tokens; ++t) {
+        double x = -1e300;
+        if (t % 64 < geo.valid(t / 64)) {
+          x = 0;
+          for (int64_t d = 0; d < 64; ++d) x += q.get(0, s, h, d) * k.get(0, t, 0, d);
+          x *= scale;
+        }
+        w.push_back(x);
+        mx = std::max(mx, x);
+      }
+      double z = 0;
+      for (double& x : w) z += (x = x > -1e299 ? std::exp(x - mx) : 0.0);
+      for (int64_t d = 0; d < 64; ++d) {
+        double acc = 0;
+        for (int64_t t = 0; t < tokens; ++t) acc += w[t] * v.get(0, t, 0, d);
+        ref.set(0, s, h, d, acc / z);
+      }
+    }
+  const device_tensor dq(q), dk(k), dv(v);
+  device_tensor o(ref, poisoned);
+  device_buffer lse(sizeof(float) * 2 * tokens);
+  const device_lists dl(lists);
+  REQUIRE(sparse_attention_forward(p, float(scale), dq.cview(), dk.cview(), dv.cview(), dl.view(), o.view(),
+                                   lse.as<float>(), nullptr)
+              .is_ok());
+  VSA_REQUIRE_RT(gpu_sync());
+  CHECK(o.all_written());
+  CHECK(error_of(o, ref) < tolerance);
+}
+
+TEST_CASE("coarse attention matches the reference", "[gpu][coarse]") {
+  for (const config& c : configs()) {
+    const problem p = to_problem(c);
+    VSA_TEST_RNG(g, "coarse");
+    INFO(describe(c));
+    const int64_t n = tile_geometry(p.grid).num_tiles();
+    const int64_t eq = p.batch * p.q_heads * n * p.head_dim, ek = p.batch * p.kv_heads * n * p.head_dim;
+    // Means as the GPU would produce them: random values in the dtype, contiguous [B, H, N, D].
+    host_tensor q_c(c.type, p.batch, n, p.q_heads, p.head_dim, layout::bhsd),
+        k_c(c.type, p.batch, n, p.kv_heads, p.head_dim, layout::bhsd),
+        v_c(c.type, p.batch, n, p.kv_heads, p.head_dim, layout::bhsd),
+        d_o_c(c.type, p.batch, n, p.q_heads, p.head_dim, layout::bhsd);
+    q_c.fill_normal(g, 2.0);
+    k_c.fill_normal(g, 2.0);
+    v_c.fill_normal(g);
+    d_o_c.fill_normal(g);
+    const float scale = 1.f / std::sqrt(float(c.head_dim));
+    host_tensor o_ref(c.type, p.batch, n, p.q_heads, p.head_dim, layout::bhsd);
+    std::vector<float> scores_ref(p.batch * p.q_heads * n * n), lse_ref(p.batch * p.q_heads * n);
+    REQUIRE(reference::coarse_attention(p, scale, q_c.data(), k_c.data(), v_c.data(), scores_ref.data(),
+                                        o_ref.data(), lse_ref.data())
+                .is_ok());
+    const device_tensor dqc(q_c), dkc(k_c), dvc(v_c), ddoc(d_o_c);
+    device_tensor o(o_ref, poisoned);
+    device_buffer scores(scores_ref.size() * 4), lse(lse_ref.size() * 4);
+    scores.poison();
+    lse.poison();
+    REQUIRE(coarse_attention(p, scale, dqc.raw(), dkc.raw(), dvc.raw(), scores.as<float>(), o.raw(),
+                             lse.as<float>(), nullptr)
+                .is_ok());
+    VSA_REQUIRE_RT(gpu_sync());
+    CHECK(o.all_written());
+    CHECK(o.canaries_intact());
+    CHECK(error_of(o, o_ref) < tolerance);
+    const auto s_gpu = scores.download<float>(), l_gpu = lse.download<float>();
+    CHECK(rel_error(std::vector<double>(s_gpu.begin(), s_gpu.end()),
+                    std::vector<double>(scores_ref.begin(), scores_ref.end())) < 1e-5);
+    CHECK(rel_error(std::vector<double>(l_gpu.begin(), l_gpu.end()),
+                    std::vector<double>(lse_ref.begin(), lse_ref.end())) < 1e-5);
+
+    std::vector<float> dq_ref(eq), dk_ref(ek), dv_ref(ek);
+    REQUIRE(reference::coarse_attention_backward(p, scale, q_c.data(), k_c.data(), v_c.data(), o_ref.data(),
+                                                 d_o_c.data(), lse_ref.data(), dq_ref.data(), dk_ref.data(),
+                                                 dv_ref.data())
+                .is_ok());
+    std::size_t bytes = 0;
+    REQUIRE(coarse_attention_backward(p, scale, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                      nullptr, nullptr, nullptr, bytes, nullptr)
+                .is_ok());
+    device_buffer ws(bytes), dq(eq * 4), dk(ek * 4), dv(ek * 4);
+    dq.poison();
+    dk.poison();
+    dv.poison();
+    REQUIRE(coarse_attention_backward(p, scale, dqc.raw(), dkc.raw(), dvc.raw(), o.raw(), ddoc.raw(),
+                                      lse.as<float>(), dq.as<float>(), dk.as<float>(), dv.as<float>(), ws.get(),
+                                      bytes, nullptr)
+                .is_ok());
+    VSA_REQUIRE_RT(gpu_sync());
+    const auto as_double = [](const std::vector<float>& x) { return std::vector<double>(x.begin(), x.end()); };
+    CHECK(rel_error(as_double(dq.download<float>()), as_double(dq_ref)) < tolerance);
+    CHECK(rel_error(as_double(dk.download<float>()), as_double(dk_ref)) < tolerance);
+    CHECK(rel_error(as_double(dv.download<float>()), as_double(dv_ref)) < tolerance);
+  }
+}
+
+// Adds the block-mean backward of a coarse gradient [B, H, N, D] (fp32) to a tiled gradient.
+void fold_means(const problem& p, const std::vector<float>& d_c, int64_t heads, host_tensor& grad) {
+  const tile_geometry geo(p.grid);
+  const int64_t n = geo.num_tiles();
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t s = 0; s < geo.valid(t); ++s)
+          for (int64_t d = 0; d < p.head_dim; ++d)
+            grad.set(b, t * 64 + s, h, d,
+                     grad.get(b, t * 64 + s, h, d) + d_c[((b * heads + h) * n + t) * p.head_dim + d] / geo.valid(t));
+}
+
+TEST_CASE("the whole op matches the reference stages", "[gpu][op]") {
+  for (const config& c : configs()) {
+    for (const bool gated : {true, false}) {
+      const problem p = to_problem(c);
+      VSA_TEST_RNG(g, "op");
+      INFO(describe(c) << (gated ? " gated" : " ungated"));
+      const tile_geometry geo(p.grid);
+      const int64_t n = geo.num_tiles(), tokens = geo.tiled_tokens();
+      options opt{};
+      opt.sparsity = 0.6;
+      const host_tensor q = tiled_input(c, p.q_heads, g), k = tiled_input(c, p.kv_heads, g),
+                        v = tiled_input(c, p.kv_heads, g), d_o = tiled_input(c, p.q_heads, g),
+                        gate = tiled_input(c, p.q_heads, g);
+      const device_tensor dq_in(q), dk_in(k), dv_in(v), ddo(d_o), dgate_in(gate);
+      host_tensor shape_q(c.type, c.batch, tokens, p.q_heads, c.head_dim, c.order),
+          shape_kv(c.type, c.batch, tokens, p.kv_heads, c.head_dim, c.order);
+      device_tensor o(shape_q, poisoned);
+      const const_tensor gate_view = gated ? dgate_in.cview() : const_tensor{};
+      const forward_io fio{dq_in.cview(), dk_in.cview(), dv_in.cview(), gate_view, o.view()};
+      std::size_t fbytes = 0, bbytes = 0;
+      REQUIRE(forward(p, opt, fio, nullptr, fbytes, nullptr).is_ok());
+      device_buffer ws(fbytes);
+      ws.poison();
+      const status sf = forward(p, opt, fio, ws.get(), fbytes, nullptr);
+      INFO(sf.message());
+      REQUIRE(sf.is_ok());
+      VSA_REQUIRE_RT(gpu_sync());
+      CHECK(o.all_written());
+      CHECK(o.canaries_intact());
+
+      // The reference pipeline, stage by stage, with the GPU's selection: the selection itself is checked
+      // against the reference top-k of the GPU's own scores, exactly.
+      detail::op_workspace w;
+      REQUIRE(detail::plan_op(p, opt, w).is_ok());
+      const int64_t k_sel = w.top_k;
+      const std::vector<float> scores = ws.download<float>(w.scores, p.batch * p.q_heads * n * n);
+      host_lists sel{k_sel, ws.download<int32_t>(w.q2k, p.batch * p.q_heads * n * k_sel),
+                     ws.download<int32_t>(w.q2k_count, p.batch * p.q_heads * n),
+                     ws.download<int32_t>(w.k2q, p.batch * p.q_heads * n * k_sel),
+                     ws.download<int32_t>(w.k2q_offset, p.batch * p.q_heads * (n + 1))};
+      host_lists expect{k_sel, std::vector<int32_t>(sel.q2k.size()), std::vector<int32_t>(sel.count.size()),
+                        std::vector<int32_t>(sel.k2q.size()), std::vector<int32_t>(sel.offset.size())};
+      REQUIRE(reference::select_top_k(p, k_sel, scores.data(), expect.view()).is_ok());
+      REQUIRE(reference::build_k2q(p, expect.view()).is_ok());
+      CHECK(sel.q2k == expect.q2k);
+      CHECK(sel.count == expect.count);
+      CHECK(sel.offset == expect.offset);
+      for (int64_t hh = 0; hh < p.batch * p.q_heads; ++hh) {
+        const int64_t total = expect.offset[hh * (n + 1) + n], base = hh * n * k_sel;
+        CHECK(std::equal(sel.k2q.begin() + base, sel.k2q.begin() + base + total, expect.k2q.begin() + base));
+      }
+
+      const float scale = 1.f / std::sqrt(float(c.head_dim));
+      const int64_t eq = p.batch * p.q_heads * n * p.head_dim, ek = p.batch * p.kv_heads * n * p.head_dim;
+      const std::size_t es = dtype_size(c.type);
+      std::vector<unsigned char> q_c(eq * es), k_c(ek * es), v_c(ek * es), o_c(eq * es);
+      std::vector<float> scores_ref(p.batch * p.q_heads * n * n), lse_c(p.batch * p.q_heads * n),
+          lse(p.batch * p.q_heads * tokens);
+      REQUIRE(reference::block_means(p, q.view(), k.view(), v.view(), q_c.data(), k_c.data(), v_c.data()).is_ok());
+      REQUIRE(reference::coarse_attention(p, scale, q_c.data(), k_c.data(), v_c.data(), scores_ref.data(),
+                                          o_c.data(), lse_c.data())
+                  .is_ok());
+      CHECK(rel_error(std::vector<double>(scores.begin(), scores.end()),
+                      std::vector<double>(scores_ref.begin(), scores_ref.end())) < 1e-2);
+      host_tensor o_s(c.type, c.batch, tokens, p.q_heads, c.head_dim, c.order),
+          o_ref(c.type, c.batch, tokens, p.q_heads, c.head_dim, c.order);
+      REQUIRE(reference::sparse_attention_forward(p, scale, q.view(), k.view(), v.view(), as_const(sel.view()),
+                                                  o_s.view(), lse.data())
+                  .is_ok());
+      REQUIRE(reference::combine(p, o_s.view(), gated ? gate.cview() : const_tensor{}, o_c.data(), o_ref.view())
+                  .is_ok());
+      CHECK(error_of(o, o_ref) < tolerance);
+
+      // Backward, twice: bitwise the same.
+      host_tensor dq_ref(c.type, c.batch, tokens, p.q_heads, c.head_dim, c.order),
+          dk_ref(c.type, c.batch, tokens, p.kv_heads, c.head_dim, c.order),
+          dv_ref(c.type, c.batch, tokens, p.kv_heads, c.head_dim, c.order),
+          dg_ref(c.type, c.batch, tokens, p.q_heads, c.head_dim, c.order);
+      std::vector<unsigned char> d_o_c(eq * es);
+      std::vector<float> dq_c(eq), dk_c(ek), dv_c(ek);
+      REQUIRE(reference::combine_backward(p, d_o.view(), gated ? gate.cview() : const_tensor{}, o_c.data(),
+                                          gated ? dg_ref.view() : tensor{}, d_o_c.data())
+                  .is_ok());
+      REQUIRE(reference::coarse_attention_backward(p, scale, q_c.data(), k_c.data(), v_c.data(), o_c.data(),
+                                                   d_o_c.data(), lse_c.data(), dq_c.data(), dk_c.data(), dv_c.data())
+                  .is_ok());
+      REQUIRE(reference::sparse_attention_backward(p, scale, q.view(), k.view(), v.view(), o_s.view(), d_o.view(),
+                                                   lse.data(), as_const(sel.view()), dq_ref.view(), dk_ref.view(),
+                                                   dv_ref.view())
+                  .is_ok());
+      // Fold the coarse gradients in double on top of the (rounded) fine ones.
+      host_tensor dq_sum = dq_ref.converted(dtype::f64, c.order), dk_sum = dk_ref.converted(dtype::f64, c.order),
+                  dv_sum = dv_ref.converted(dtype::f64, c.order);
+      fold_means(p, dq_c, p.q_heads, dq_sum);
+      fold_means(p, dk_c, p.kv_heads, dk_sum);
+      fold_means(p, dv_c, p.kv_heads, dv_sum);
+
+      const backward_io shape_io{};
+      (void)shape_io;
+      REQUIRE(backward(p, opt, backward_io{}, nullptr, bbytes, nullptr).is_ok());
+      REQUIRE(bbytes >= fbytes);
+      device_buffer wsb(bbytes);
+      VSA_REQUIRE_RT(copy_device_to_device(wsb.get(), ws.get(), fbytes));
+      std::vector<std::vector<double>> runs;
+      for (int run = 0; run < 2; ++run) {
+        device_tensor dq(shape_q, poisoned), dk(shape_kv, poisoned), dv(shape_kv, poisoned), dg(shape_q, poisoned);
+        const backward_io bio{dq_in.cview(),  dk_in.cview(), dv_in.cview(), gate_view,
+                              o.cview(),      ddo.cview(),   dq.view(),     dk.view(),
+                              dv.view(),      gated ? dg.view() : tensor{}};
+        const status sb = backward(p, opt, bio, wsb.get(), bbytes, nullptr);
+        INFO(sb.message());
+        REQUIRE(sb.is_ok());
+        VSA_REQUIRE_RT(gpu_sync());
+        CHECK(dq.all_written());
+        CHECK(dk.all_written());
+        CHECK(dv.all_written());
+        CHECK(dq.canaries_intact());
+        CHECK(error_of(dq, dq_sum) < tolerance);
+        CHECK(error_of(dk, dk_sum) < tolerance);
+        CHECK(error_of(dv, dv_sum) < tolerance);
+        if (gated) {
+          CHECK(dg.all_written());
+          CHECK(error_of(dg, dg_ref) < tolerance);
+        }
+        std::vector<double> all = dq.download_raw(), kk = dk.download_raw(), vv = dv.download_raw();
+        all.insert(all.end(), kk.begin(), kk.end());
+        all.insert(all.end(), vv.begin(), vv.end());
+        runs.push_back(all);
+      }
+      CHECK(std::memcmp(runs[0].data(), runs[1].data(), runs[0].size() * sizeof(double)) == 0);
+    }
+  }
+}
+
+TEST_CASE("the whole op with k = N and k = 1", "[gpu][op]") {
+  const config c{{5, 9, 6}, 1, 2, 2, 128, dtype::bf16, layout::bshd};
+  const problem p = to_problem(c);
+  const int64_t n = tile_geometry(p.grid).num_tiles(), tokens = tile_geometry(p.grid).tiled_tokens();
+  for (const int64_t k : {int64_t(1), n}) {
+    VSA_TEST_RNG(g, "op-k");
+    INFO("k = " << k);
+    options opt{};
+    opt.top_k = k;
+    const host_tensor q = tiled_input(c, 2, g), kk = tiled_input(c, 2, g), v = tiled_input(c, 2, g);
+    const device_tensor dq(q), dk(kk), dv(v);
+    device_tensor o(q, poisoned);
+    const forward_io fio{dq.cview(), dk.cview(), dv.cview(), const_tensor{}, o.view()};
+    std::size_t bytes = 0;
+    REQUIRE(forward(p, opt, fio, nullptr, bytes, nullptr).is_ok());
+    device_buffer ws(bytes);
+    REQUIRE(forward(p, opt, fio, ws.get(), bytes, nullptr).is_ok());
+    VSA_REQUIRE_RT(gpu_sync());
+    CHECK(o.all_written());
+    // Against the reference op (whose selection agrees for k = N trivially, and for k = 1 on the clear
+    // winner of random data; a tie within rounding would show up as a large error here).
+    host_tensor o_ref(c.type, 1, tokens, 2, 128, c.order);
+    std::size_t rbytes = 0;
+    const forward_io rio{q.view(), kk.view(), v.view(), const_tensor{}, o_ref.view()};
+    REQUIRE(reference::forward(p, opt, rio, nullptr, rbytes).is_ok());
+    aligned_buffer rws(rbytes);
+    REQUIRE(reference::forward(p, opt, rio, rws.data(), rbytes).is_ok());
+    CHECK(error_of(o, o_ref) < tolerance);
+  }
+}
+
+} // namespace
+} // namespace test
+} // namespace vsa
