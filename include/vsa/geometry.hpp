@@ -33,9 +33,13 @@ struct tile_geometry {
     return {axis_extent(grid.t, tt), axis_extent(grid.h, th), axis_extent(grid.w, tw)};
   }
   // Number of valid tokens of tile n: its first valid(n) slots hold tokens, the rest are padding.
+  // Tile counts stay below 2^30 (check_problem), so 32-bit division is exact; kernels call this for every
+  // tile they visit, and 64-bit division is a long software sequence on GPUs.
   VSA_HOST_DEVICE int valid(int64_t n) const {
-    const grid3 e = extent(n);
-    return static_cast<int>(e.t * e.h * e.w);
+    const uint32_t u = static_cast<uint32_t>(n), tw = static_cast<uint32_t>(tiles.w),
+                   th = static_cast<uint32_t>(tiles.h);
+    const uint32_t x = u % tw, y = (u / tw) % th, z = u / (tw * th);
+    return static_cast<int>(axis_extent(grid.t, z) * axis_extent(grid.h, y) * axis_extent(grid.w, x));
   }
   // Raster index (t·H + h)·W + w of slot s of tile n, or -1 for a padding slot.
   VSA_HOST_DEVICE int64_t raster_of_slot(int64_t n, int s) const {

@@ -310,9 +310,10 @@ TEST_CASE("the op with caller-supplied lists is the sparse pass alone", "[cpu][o
   host_tensor o(p.type, 1, slots, 2, 8);
   o.fill_byte(test::poison_byte);
   const std::vector<unsigned char> before = o.bytes;
-  std::size_t bytes = 0;
+  std::size_t bytes = r.forward_bytes;
+  test::aligned_buffer ws(bytes);
   const status s =
-      reference::forward(p, opt, {x.q.cview(), x.k.cview(), x.v.cview(), x.gate.cview(), o.view()}, nullptr, bytes);
+      reference::forward(p, opt, {x.q.cview(), x.k.cview(), x.v.cview(), x.gate.cview(), o.view()}, ws.data(), bytes);
   CHECK(s.code() == errc::bad_argument);
   CHECK(test::mentions(s, "gate"));
   CHECK(o.bytes == before);
@@ -383,6 +384,15 @@ TEST_CASE("the op's two-phase workspace", "[cpu][op][workspace]") {
                         o.cview(),   dq.view(),   dk.view(),   dv.view(),      dgate.view()};
   REQUIRE(reference::backward(p, opt, bio, nullptr, backward_bytes).is_ok());
   CHECK(backward_bytes >= forward_bytes);
+  // The sizes depend on the problem and options only: a query needs no tensors.
+  std::size_t bare_forward = 0, bare_backward = 0;
+  REQUIRE(reference::forward(p, opt, forward_io{}, nullptr, bare_forward).is_ok());
+  REQUIRE(reference::backward(p, opt, backward_io{}, nullptr, bare_backward).is_ok());
+  CHECK(bare_forward == forward_bytes);
+  CHECK(bare_backward == backward_bytes);
+  options too_many = opt;
+  too_many.top_k = 1000;
+  CHECK(reference::forward(p, too_many, forward_io{}, nullptr, bare_forward).code() == errc::bad_top_k);
 
   test::aligned_buffer ws(backward_bytes + 512);
   std::size_t bytes = forward_bytes - 1;

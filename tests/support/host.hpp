@@ -41,9 +41,8 @@ public:
     return std::normal_distribution<double>(mean, stddev)(engine_);
   }
   double uniform(double lo, double hi) { return std::uniform_real_distribution<double>(lo, hi)(engine_); }
-  int64_t integer(int64_t lo, int64_t hi) {
-    return std::uniform_int_distribution<int64_t>(lo, hi)(engine_);
-  } // [lo, hi]
+  // Uniform over [lo, hi], both ends included.
+  int64_t integer(int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(engine_); }
 
 private:
   uint64_t seed_ = 0;

@@ -93,7 +93,6 @@ inline status coarse_attention_backward(const problem& p, float scale, const voi
   dp.q_heads = p.q_heads;
   dp.rows_total = n;
   dp.tiles = sched.tiles;
-  dp.head_dim = static_cast<int>(p.head_dim);
 
   gpu::detail::backward_params bp{};
   bp.q = gpu::detail::make_dense_operand(q_c, p.q_heads, n, p.head_dim);

@@ -60,16 +60,15 @@ struct k2q_params {
   const int32_t* q2k_count;
   int32_t* k2q;
   int32_t* k2q_offset;
-  uint32_t* mask;      // [heads][chunks][columns]
-  int32_t* base;       // [heads][chunks][columns]
-  int32_t* local;      // [heads][columns]
-  int32_t* block_sum;  // [heads][count_blocks]
+  uint32_t* mask;     // [heads][chunks][columns]
+  int32_t* base;      // [heads][chunks][columns]
+  int32_t* local;     // [heads][columns]
+  int32_t* block_sum; // [heads][count_blocks]
   int64_t heads, n, capacity, chunks, columns, count_blocks;
 };
 
 // The chunk's rows: their first tile and their counts clamped to [0, capacity] (0 past the last tile).
-__device__ __forceinline__ void load_chunk_counts(const k2q_params& p, int64_t head, int64_t chunk,
-                                                  int32_t* counts) {
+__device__ __forceinline__ void load_chunk_counts(const k2q_params& p, int64_t head, int64_t chunk, int32_t* counts) {
   if (threadIdx.x < k2q_chunk) {
     const int64_t i = chunk * k2q_chunk + threadIdx.x;
     int32_t c = i < p.n ? p.q2k_count[head * p.n + i] : 0;
@@ -95,8 +94,8 @@ template <int Threads = k2q_threads> __global__ void __launch_bounds__(Threads) 
 
     const int64_t first_row = head * p.n + chunk * k2q_chunk;
     const int32_t* entries = p.q2k + first_row * p.capacity;
-    const unsigned rows = static_cast<unsigned>(p.n - chunk * k2q_chunk < k2q_chunk ? p.n - chunk * k2q_chunk
-                                                                                     : k2q_chunk);
+    const unsigned rows =
+        static_cast<unsigned>(p.n - chunk * k2q_chunk < k2q_chunk ? p.n - chunk * k2q_chunk : k2q_chunk);
     for (unsigned e = threadIdx.x; e < rows * cap; e += k2q_threads) {
       const unsigned r = e / cap, t = e - r * cap;
       if (static_cast<int32_t>(t) >= counts[r]) continue;
@@ -226,8 +225,7 @@ inline status build_k2q(const problem& p, index_lists idx, void* workspace, std:
                          (long long)(n * idx.q2k_capacity));
   if (n > int64_t(gpu::detail::k2q_max_count_blocks) * gpu::detail::k2q_count_columns)
     return status::error(errc::unsupported, "build_k2q: at most %lld tiles, got %lld",
-                         (long long)gpu::detail::k2q_max_count_blocks * gpu::detail::k2q_count_columns,
-                         (long long)n);
+                         (long long)gpu::detail::k2q_max_count_blocks * gpu::detail::k2q_count_columns, (long long)n);
   gpu::detail::k2q_layout layout;
   if (!layout.init(n, p.batch * p.q_heads))
     return status::error(errc::bad_grid, "build_k2q: the scratch size for %lld tiles overflows", (long long)n);

@@ -240,7 +240,6 @@ inline status backward(const problem& p, const options& opt, const backward_io& 
   dp.q_heads = p.q_heads;
   dp.rows_total = tokens;
   dp.tiles = qs.tiles;
-  dp.head_dim = static_cast<int>(p.head_dim);
 
   gpu::detail::backward_params bp{};
   bp.q = gpu::detail::make_operand(io.q);

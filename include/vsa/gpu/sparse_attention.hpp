@@ -121,7 +121,6 @@ inline status sparse_attention_backward(const problem& p, float scale, const_ten
   dp.q_heads = p.q_heads;
   dp.rows_total = tokens;
   dp.tiles = qs.tiles;
-  dp.head_dim = static_cast<int>(p.head_dim);
 
   gpu::detail::backward_params bp{};
   bp.q = gpu::detail::make_operand(q);

@@ -25,7 +25,7 @@ namespace reference {
 // The softmax scale the whole op uses: options.scale, or 1/sqrt(head_dim) when it is 0. Stages take the
 // resolved value and reject anything that is not positive and finite.
 inline float resolve_scale(const problem& p, const options& opt) {
-  return opt.scale == 0.0f ? static_cast<float>(1.0 / std::sqrt(static_cast<double>(p.head_dim))) : opt.scale;
+  return opt.scale != 0.0f ? opt.scale : 1.0f / std::sqrt(static_cast<float>(p.head_dim));
 }
 
 namespace detail {

@@ -106,36 +106,42 @@ struct op_plan {
   int64_t top_k = 0;
 };
 
-inline status plan_op(const problem& p, const options& opt, const const_tensor& gate, op_plan& plan) {
+// What the workspace size depends on: the problem and how the lists are chosen (top_k / sparsity, or the
+// capacity of the caller's lists). A size query checks only these, as the GPU op does.
+inline status plan_op(const problem& p, const options& opt, op_plan& plan) {
   status s = check_problem(p, target::cpu);
   if (!s) return s;
+  const int64_t n = tile_geometry(p.grid).num_tiles();
   plan.scale = resolve_scale(p, opt);
-  if (opt.scale != 0.0f && !(s = check_scale(opt.scale))) return s;
-  if (!(s = check_scale(plan.scale))) return s;
   plan.coarse = opt.q2k.q2k == nullptr;
   if (!plan.coarse) {
-    if (!(s = check_q2k_host(p, opt.q2k))) return s;
-    if (gate.data != nullptr)
-      return status::error(errc::bad_argument,
-                           "gate: must be absent when options.q2k is given (the coarse branch does not run)");
+    if (opt.q2k.q2k_capacity < 1 || opt.q2k.q2k_capacity > n)
+      return status::error(errc::bad_index, "q2k_capacity: must be in 1..%lld, got %lld", (long long)n,
+                           (long long)opt.q2k.q2k_capacity);
     return status::ok();
   }
-  plan.top_k = resolve_top_k(tile_geometry(p.grid).num_tiles(), opt);
+  plan.top_k = resolve_top_k(n, opt);
   if (plan.top_k == 0)
     return status::error(errc::bad_top_k, "top_k/sparsity: top_k %lld or sparsity %g is out of range for N = %lld",
-                         (long long)opt.top_k, opt.sparsity, (long long)tile_geometry(p.grid).num_tiles());
+                         (long long)opt.top_k, opt.sparsity, (long long)n);
   return status::ok();
 }
 
-inline status check_op_workspace(const op_layout& layout, std::size_t needed, void* workspace,
-                                 std::size_t& workspace_bytes, bool& query_only) {
+// The checks of a real call that a size query skips: the scale, the gate against the branch, the caller's lists.
+inline status check_op_options(const problem& p, const options& opt, const op_plan& plan, const const_tensor& gate) {
+  status s = check_scale(plan.scale);
+  if (!s) return s;
+  if (plan.coarse) return s;
+  if (gate.data != nullptr)
+    return status::error(errc::bad_argument,
+                         "gate: must be absent when options.q2k is given (the coarse branch does not run)");
+  return check_q2k_host(p, opt.q2k);
+}
+
+inline status size_query(const op_layout& layout, std::size_t needed, std::size_t& workspace_bytes) {
   if (layout.overflow) return status::error(errc::bad_grid, "grid: the workspace size overflows");
-  query_only = workspace == nullptr;
-  if (query_only) {
-    workspace_bytes = needed;
-    return status::ok();
-  }
-  return check_workspace(workspace, workspace_bytes, needed);
+  workspace_bytes = needed;
+  return status::ok();
 }
 
 // The lists the sparse pass reads: the op's own (saved in the workspace) or the caller's.
@@ -151,17 +157,18 @@ inline const_index_lists op_lists(const op_plan& plan, const options& opt, const
 inline status forward(const problem& p, const options& opt, const forward_io& io, void* workspace,
                       std::size_t& workspace_bytes) {
   detail::op_plan plan;
-  status s = detail::plan_op(p, opt, io.gate, plan);
+  status s = detail::plan_op(p, opt, plan);
   if (!s) return s;
+  const detail::op_layout layout(p, plan.coarse, plan.top_k);
+  if (workspace == nullptr) return detail::size_query(layout, layout.forward_end, workspace_bytes);
+  if (!(s = detail::check_op_options(p, opt, plan, io.gate))) return s;
   if (!(s = detail::check_tiled("q", io.q, p, p.q_heads))) return s;
   if (!(s = detail::check_tiled("k", io.k, p, p.kv_heads))) return s;
   if (!(s = detail::check_tiled("v", io.v, p, p.kv_heads))) return s;
-  if (!(s = detail::check_gate(p, io.gate, nullptr, false))) return s;
   if (!(s = detail::check_tiled("o", io.o, p, p.q_heads))) return s;
-  const detail::op_layout layout(p, plan.coarse, plan.top_k);
-  bool query_only = false;
-  if (!(s = detail::check_op_workspace(layout, layout.forward_end, workspace, workspace_bytes, query_only))) return s;
-  if (query_only) return s;
+  if (!(s = detail::check_gate(p, io.gate, nullptr, false))) return s;
+  if (layout.overflow) return status::error(errc::bad_grid, "grid: the workspace size overflows");
+  if (!(s = check_workspace(workspace, workspace_bytes, layout.forward_end))) return s;
   return detail::guarded("forward", [&]() {
     void* ws = workspace;
     const tile_geometry geo(p.grid);
@@ -214,22 +221,23 @@ inline status forward(const problem& p, const options& opt, const forward_io& io
 inline status backward(const problem& p, const options& opt, const backward_io& io, void* workspace,
                        std::size_t& workspace_bytes) {
   detail::op_plan plan;
-  status s = detail::plan_op(p, opt, io.gate, plan);
+  status s = detail::plan_op(p, opt, plan);
   if (!s) return s;
+  const detail::op_layout layout(p, plan.coarse, plan.top_k);
+  if (workspace == nullptr) return detail::size_query(layout, layout.backward_end, workspace_bytes);
+  if (!(s = detail::check_op_options(p, opt, plan, io.gate))) return s;
   if (!(s = detail::check_tiled("q", io.q, p, p.q_heads))) return s;
   if (!(s = detail::check_tiled("k", io.k, p, p.kv_heads))) return s;
   if (!(s = detail::check_tiled("v", io.v, p, p.kv_heads))) return s;
-  if (!(s = detail::check_gate(p, io.gate, io.dgate.data, true))) return s;
   if (!(s = detail::check_tiled("o", io.o, p, p.q_heads))) return s;
   if (!(s = detail::check_tiled("d_o", io.d_o, p, p.q_heads))) return s;
   if (!(s = detail::check_tiled("dq", io.dq, p, p.q_heads))) return s;
   if (!(s = detail::check_tiled("dk", io.dk, p, p.kv_heads))) return s;
   if (!(s = detail::check_tiled("dv", io.dv, p, p.kv_heads))) return s;
+  if (!(s = detail::check_gate(p, io.gate, io.dgate.data, true))) return s;
   if (io.dgate.data != nullptr && !(s = detail::check_tiled("dgate", io.dgate, p, p.q_heads))) return s;
-  const detail::op_layout layout(p, plan.coarse, plan.top_k);
-  bool query_only = false;
-  if (!(s = detail::check_op_workspace(layout, layout.backward_end, workspace, workspace_bytes, query_only))) return s;
-  if (query_only) return s;
+  if (layout.overflow) return status::error(errc::bad_grid, "grid: the workspace size overflows");
+  if (!(s = check_workspace(workspace, workspace_bytes, layout.backward_end))) return s;
   return detail::guarded("backward", [&]() {
     void* ws = workspace;
     const tile_geometry geo(p.grid);

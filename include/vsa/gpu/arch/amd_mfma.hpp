@@ -10,10 +10,13 @@
 #pragma once
 
 #include "element.hpp"
+#include "lane_layout.hpp"
 #include "smem_tile.hpp"
 
 namespace vsa {
 namespace gpu {
+
+namespace amd_lanes = lane_layout::amd;
 
 template <class E, int D> struct warp_mma {
   static constexpr int threads = 64;
@@ -37,20 +40,20 @@ template <class E, int D> struct warp_mma {
   };
 
   __device__ __forceinline__ static int lane() { return threadIdx.x & 63; }
-  __device__ __forceinline__ static int elem_slot(int) { return 0; }
-  __device__ __forceinline__ static int slot_row(int) { return lane() & 15; }
-  __device__ __forceinline__ static int elem_row(int) { return lane() & 15; }
+  __device__ __forceinline__ static int elem_slot(int e) { return amd_lanes::elem_slot(e); }
+  __device__ __forceinline__ static int slot_row(int s) { return amd_lanes::slot_row(lane(), s); }
+  __device__ __forceinline__ static int elem_row(int e) { return amd_lanes::elem_row(lane(), e); }
   // Element e: 16-wide tile e / 4, accumulator register e mod 4.
-  __device__ __forceinline__ static int elem_col(int e) { return (e >> 2) * 16 + 4 * (lane() >> 4) + (e & 3); }
+  __device__ __forceinline__ static int elem_col(int e) { return amd_lanes::elem_col(lane(), e); }
 
-  __device__ __forceinline__ static bool row_leader() { return lane() < 16; }
+  __device__ __forceinline__ static bool row_leader() { return amd_lanes::row_leader(lane()); }
   __device__ __forceinline__ static float row_max(float v) {
-    v = fmaxf(v, shfl_xor(v, 16));
-    return fmaxf(v, shfl_xor(v, 32));
+    v = fmaxf(v, shfl_xor(v, amd_lanes::row_xor_mask(0)));
+    return fmaxf(v, shfl_xor(v, amd_lanes::row_xor_mask(1)));
   }
   __device__ __forceinline__ static float row_sum(float v) {
-    v += shfl_xor(v, 16);
-    return v + shfl_xor(v, 32);
+    v += shfl_xor(v, amd_lanes::row_xor_mask(0));
+    return v + shfl_xor(v, amd_lanes::row_xor_mask(1));
   }
 
   __device__ __forceinline__ static void mfma(float* c, uint32_t a0, uint32_t a1, uint32_t b0, uint32_t b1) {
@@ -80,7 +83,8 @@ template <class E, int D> struct warp_mma {
   __device__ __forceinline__ static void load_rows(row_frag& f, smem_tile<D> t, int row0) {
     const int l = lane();
 #pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) load4(f.x[ks][0], f.x[ks][1], t, row0 + (l & 15), ks * 16 + 4 * (l >> 4));
+    for (int ks = 0; ks < D / 16; ++ks)
+      load4(f.x[ks][0], f.x[ks][1], t, row0 + amd_lanes::operand_row(l), ks * 16 + amd_lanes::operand_k(l));
   }
 
   // s += A · Bᵀ: computed as sᵀ += B · Aᵀ, B's rows as the MFMA A operand, the band's rows as its B operand.
@@ -89,7 +93,7 @@ template <class E, int D> struct warp_mma {
 #pragma unroll
     for (int t = 0; t < 4; ++t) {
       uint32_t a0, a1;
-      load4(a0, a1, b, t * 16 + (l & 15), ks * 16 + 4 * (l >> 4));
+      load4(a0, a1, b, t * 16 + amd_lanes::operand_row(l), ks * 16 + amd_lanes::operand_k(l));
       mfma(&s.x[t * 4], a0, a1, f0, f1);
     }
   }
@@ -102,7 +106,7 @@ template <class E, int D> struct warp_mma {
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
       uint32_t f0, f1;
-      load4(f0, f1, a, row0 + (l & 15), ks * 16 + 4 * (l >> 4));
+      load4(f0, f1, a, row0 + amd_lanes::operand_row(l), ks * 16 + amd_lanes::operand_k(l));
       nt_step(s, f0, f1, b, ks);
     }
   }
@@ -112,12 +116,12 @@ template <class E, int D> struct warp_mma {
     const int l = lane();
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
-      const uint32_t p0 = E::pack(p.x[kk * 4 + 0], p.x[kk * 4 + 1]);
-      const uint32_t p1 = E::pack(p.x[kk * 4 + 2], p.x[kk * 4 + 3]);
-      const int r = kk * 16 + 4 * (l >> 4);
+      const uint32_t p0 = E::pack(p.x[amd_lanes::p_elem(kk, 0)], p.x[amd_lanes::p_elem(kk, 1)]);
+      const uint32_t p1 = E::pack(p.x[amd_lanes::p_elem(kk, 2)], p.x[amd_lanes::p_elem(kk, 3)]);
+      const int r = kk * 16 + amd_lanes::operand_k(l);
 #pragma unroll
       for (int dt = 0; dt < D / 16; ++dt) {
-        const int c = dt * 16 + (l & 15);
+        const int c = dt * 16 + amd_lanes::operand_row(l);
         const uint32_t a0 = uint32_t(*b.at(r, c)) | (uint32_t(*b.at(r + 1, c)) << 16);
         const uint32_t a1 = uint32_t(*b.at(r + 2, c)) | (uint32_t(*b.at(r + 3, c)) << 16);
         mfma(&o.x[dt * 4], a0, a1, p0, p1);

@@ -8,10 +8,13 @@
 #pragma once
 
 #include "element.hpp"
+#include "lane_layout.hpp"
 #include "smem_tile.hpp"
 
 namespace vsa {
 namespace gpu {
+
+namespace nv_lanes = lane_layout::nvidia;
 
 template <class E, int D> struct warp_mma {
   static constexpr int threads = 32;
@@ -32,21 +35,21 @@ template <class E, int D> struct warp_mma {
 
   __device__ __forceinline__ static int lane() { return threadIdx.x & 31; }
   // Element e of a score or output tile: n8 tile e / 4, register e mod 4.
-  __device__ __forceinline__ static int elem_slot(int e) { return (e >> 1) & 1; }
-  __device__ __forceinline__ static int slot_row(int s) { return (lane() >> 2) + 8 * s; }
-  __device__ __forceinline__ static int elem_row(int e) { return slot_row(elem_slot(e)); }
-  __device__ __forceinline__ static int elem_col(int e) { return (e >> 2) * 8 + 2 * (lane() & 3) + (e & 1); }
+  __device__ __forceinline__ static int elem_slot(int e) { return nv_lanes::elem_slot(e); }
+  __device__ __forceinline__ static int slot_row(int s) { return nv_lanes::slot_row(lane(), s); }
+  __device__ __forceinline__ static int elem_row(int e) { return nv_lanes::elem_row(lane(), e); }
+  __device__ __forceinline__ static int elem_col(int e) { return nv_lanes::elem_col(lane(), e); }
 
   // One lane of the four that share a row, to write per-row results once.
-  __device__ __forceinline__ static bool row_leader() { return (lane() & 3) == 0; }
+  __device__ __forceinline__ static bool row_leader() { return nv_lanes::row_leader(lane()); }
   // Reductions over the four lanes that share a row.
   __device__ __forceinline__ static float row_max(float v) {
-    v = fmaxf(v, shfl_xor(v, 1));
-    return fmaxf(v, shfl_xor(v, 2));
+    v = fmaxf(v, shfl_xor(v, nv_lanes::row_xor_mask(0)));
+    return fmaxf(v, shfl_xor(v, nv_lanes::row_xor_mask(1)));
   }
   __device__ __forceinline__ static float row_sum(float v) {
-    v += shfl_xor(v, 1);
-    return v + shfl_xor(v, 2);
+    v += shfl_xor(v, nv_lanes::row_xor_mask(0));
+    return v + shfl_xor(v, nv_lanes::row_xor_mask(1));
   }
 
   __device__ __forceinline__ static uint32_t smem_addr(const void* p) {
@@ -78,8 +81,8 @@ template <class E, int D> struct warp_mma {
 
   // A fragment of rows row0 .. row0+15, k step ks: the four 8×8 matrices (rows 0-7 | 8-15) × (k 0-7 | 8-15).
   __device__ __forceinline__ static void load_a(uint32_t (&a)[4], smem_tile<D> t, int row0, int ks) {
-    const int l = lane(), m = l >> 3;
-    ldmatrix_x4(a, t.chunk(row0 + (l & 7) + 8 * (m & 1), 2 * ks + (m >> 1)));
+    const int l = lane();
+    ldmatrix_x4(a, t.chunk(row0 + nv_lanes::a_load_row(l), 2 * ks + nv_lanes::a_load_chunk(l)));
   }
   __device__ __forceinline__ static void load_rows(row_frag& f, smem_tile<D> t, int row0) {
 #pragma unroll
@@ -88,11 +91,11 @@ template <class E, int D> struct warp_mma {
 
   // s += A · Bᵀ over the head dim, B the 64 rows of tile b; A from registers or from rows row0.. of tile a.
   __device__ __forceinline__ static void nt_step(score_tile& s, const uint32_t (&a)[4], smem_tile<D> b, int ks) {
-    const int l = lane(), m = l >> 3;
+    const int l = lane();
 #pragma unroll
     for (int np = 0; np < 4; ++np) { // pairs of n8 tiles: 16 rows of b
       uint32_t r[4];
-      ldmatrix_x4(r, b.chunk(np * 16 + (l & 7) + 8 * (m >> 1), 2 * ks + (m & 1)));
+      ldmatrix_x4(r, b.chunk(np * 16 + nv_lanes::nt_b_load_row(l), 2 * ks + nv_lanes::nt_b_load_chunk(l)));
       mma(&s.x[(2 * np) * 4], a, r[0], r[1]);
       mma(&s.x[(2 * np + 1) * 4], a, r[2], r[3]);
     }
@@ -112,18 +115,16 @@ template <class E, int D> struct warp_mma {
 
   // o += P · B, P the 16 × 64 score tile (rounded to E), B the 64 × D tile b (rows = the k axis).
   __device__ __forceinline__ static void nn(out_tile& o, const score_tile& p, smem_tile<D> b) {
-    const int l = lane(), m = l >> 3;
+    const int l = lane();
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) { // 16 rows of b per step
       uint32_t a[4];
-      a[0] = E::pack(p.x[(2 * kk) * 4 + 0], p.x[(2 * kk) * 4 + 1]);
-      a[1] = E::pack(p.x[(2 * kk) * 4 + 2], p.x[(2 * kk) * 4 + 3]);
-      a[2] = E::pack(p.x[(2 * kk + 1) * 4 + 0], p.x[(2 * kk + 1) * 4 + 1]);
-      a[3] = E::pack(p.x[(2 * kk + 1) * 4 + 2], p.x[(2 * kk + 1) * 4 + 3]);
+#pragma unroll
+      for (int r = 0; r < 4; ++r) a[r] = E::pack(p.x[nv_lanes::p_elem(kk, r, 0)], p.x[nv_lanes::p_elem(kk, r, 1)]);
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) { // pairs of n8 tiles along the head dim
         uint32_t r[4];
-        ldmatrix_x4_trans(r, b.chunk(kk * 16 + (l & 7) + 8 * (m & 1), 2 * dp + (m >> 1)));
+        ldmatrix_x4_trans(r, b.chunk(kk * 16 + nv_lanes::nn_b_load_row(l), 2 * dp + nv_lanes::nn_b_load_chunk(l)));
         mma(&o.x[(2 * dp) * 4], a, r[0], r[1]);
         mma(&o.x[(2 * dp + 1) * 4], a, r[2], r[3]);
       }

@@ -34,14 +34,23 @@ inline constexpr int max_block_smem = 64 * 1024;
 inline constexpr int max_block_smem = 99 * 1024;
 #endif
 
+// Blocks of the forward kernel that should share a multiprocessor: its shared memory lets three sit on a
+// Hopper SM (227 KiB), which also needs registers capped at 170 a thread; CDNA places by LDS alone.
+#if VSA_PLATFORM_AMD
+inline constexpr int forward_min_blocks = 1;
+#else
+inline constexpr int forward_min_blocks = 3;
+#endif
+
 // How the attention kernels use that budget for head dim D: two copy stages (the next tile streams in while
 // the current one is used) where they fit, one otherwise; the dk/dv kernel's per-row statistics in shared
 // memory where they fit, read from global memory otherwise.
 template <int D> struct smem_plan {
   static constexpr int tile = smem_tile<D>::bytes;
   static constexpr int stats = 2 * 2 * 64 * 4; // per stage: log-sum-exp and delta of 64 rows
-  static constexpr int forward_stages = (1 + 2 * 2) * tile <= max_block_smem ? 2 : 1;
-  static constexpr int forward_bytes = (1 + 2 * forward_stages) * tile;
+  // Forward: with two stages Q borrows the second stage's K slot (it is in registers before that fills).
+  static constexpr int forward_stages = 2 * 2 * tile <= max_block_smem ? 2 : 1;
+  static constexpr int forward_bytes = (forward_stages == 2 ? 4 : 3) * tile;
   static constexpr int backward_stages = (2 + 2 * 2) * tile + stats <= max_block_smem ? 2 : 1;
   static constexpr bool stats_in_smem = (2 + 2 * backward_stages) * tile + stats <= max_block_smem;
   static constexpr int backward_bytes = (2 + 2 * backward_stages) * tile + (stats_in_smem ? stats : 0);

@@ -242,40 +242,53 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads)) attention_dkdv_
   store_band<E, D, M, Sched>(dv, 1.f, row0, kv, p.dv, p.dv.tile(b, hk, j), vf, p.fold_v, bhk * s.tiles + j);
 }
 
-// delta[bh, row] = Σ_d dO · (o − g ⊙ o_c[tile]) over a row; one warp per row, fp32 accumulation. o_c and
-// the gate are optional: without o_c the second factor is o itself (o_s of the plain sparse backward).
+// delta[bh, row] = Σ_d dO · (o − g ⊙ o_c[tile]) over a row, fp32 accumulation. o_c and the gate are
+// optional: without o_c the second factor is o itself (o_s of the plain sparse backward). Memory-bound:
+// D/8 consecutive lanes share a row, each with one 16-byte load per tensor, and reduce by shuffles.
 struct delta_params {
   operand o, d_o, gate; // gate.data may be null (g = 1)
   const uint16_t* o_c;  // optional [B, Hq, N, D]
   float* delta;         // [B·Hq, rows_total]
   int64_t q_heads, rows_total, tiles;
-  int head_dim;
 };
 
-template <class E, class Sched>
+template <int D> inline constexpr int delta_lanes = D / 8;
+
+template <class E, int D, class Sched>
 __global__ void __launch_bounds__(256) attention_delta_kernel(delta_params p, Sched s, int64_t total_rows) {
-  const int lanes = warp_size;
-  const int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / lanes;
-  const int lane = threadIdx.x % lanes;
-  if (row >= total_rows) return;
-  const int64_t bh = row / p.rows_total, r = row % p.rows_total, b = bh / p.q_heads, h = bh % p.q_heads;
-  const int64_t tile = r / 64;
-  const bool valid = (r % 64) < s.valid(tile);
+  constexpr int lanes = delta_lanes<D>;
+  const int64_t gid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t row = gid / lanes;
+  const int col = static_cast<int>(gid % lanes) * 8;
   float acc = 0.f;
-  if (valid) {
-    const int64_t tok = r;
-    const uint16_t* o = p.o.data + b * p.o.batch + h * p.o.head + tok * p.o.token;
-    const uint16_t* d = p.d_o.data + b * p.d_o.batch + h * p.d_o.head + tok * p.d_o.token;
-    const uint16_t* g = p.gate.data ? p.gate.data + b * p.gate.batch + h * p.gate.head + tok * p.gate.token : nullptr;
-    const uint16_t* c = p.o_c ? p.o_c + (bh * p.tiles + tile) * p.head_dim : nullptr;
-    for (int k = lane; k < p.head_dim; k += lanes) {
-      float x = E::to_float(o[k]);
-      if (c != nullptr) x -= (g ? E::to_float(g[k]) : 1.f) * E::to_float(c[k]);
-      acc += E::to_float(d[k]) * x;
+  if (row < total_rows) {
+    const int64_t bh = row / p.rows_total, r = row % p.rows_total, b = bh / p.q_heads, h = bh % p.q_heads;
+    const int64_t tile = r / 64;
+    if ((r % 64) < s.valid(tile)) {
+      const auto load8 = [&](const operand& t) {
+        return *reinterpret_cast<const uint4*>(t.data + b * t.batch + h * t.head + r * t.token + col);
+      };
+      const uint4 ov = load8(p.o), dv = load8(p.d_o);
+      uint4 gv = make_uint4(0, 0, 0, 0), cv = make_uint4(0, 0, 0, 0);
+      if (p.o_c != nullptr) {
+        cv = *reinterpret_cast<const uint4*>(p.o_c + (bh * p.tiles + tile) * D + col);
+        if (p.gate.data != nullptr) gv = load8(p.gate);
+      }
+      const uint16_t* o8 = reinterpret_cast<const uint16_t*>(&ov);
+      const uint16_t* d8 = reinterpret_cast<const uint16_t*>(&dv);
+      const uint16_t* g8 = reinterpret_cast<const uint16_t*>(&gv);
+      const uint16_t* c8 = reinterpret_cast<const uint16_t*>(&cv);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        float x = E::to_float(o8[k]);
+        if (p.o_c != nullptr) x -= (p.gate.data != nullptr ? E::to_float(g8[k]) : 1.f) * E::to_float(c8[k]);
+        acc += E::to_float(d8[k]) * x;
+      }
     }
   }
+#pragma unroll
   for (int m = lanes / 2; m > 0; m /= 2) acc += shfl_xor(acc, m);
-  if (lane == 0) p.delta[row] = acc;
+  if (row < total_rows && col == 0) p.delta[row] = acc;
 }
 
 } // namespace detail

@@ -26,7 +26,7 @@ struct forward_params {
 };
 
 template <class E, int D, class Sched>
-__global__ void __launch_bounds__((4 * warp_mma<E, D>::threads)) attention_forward_kernel(forward_params p, Sched s) {
+__global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blocks) attention_forward_kernel(forward_params p, Sched s) {
   using M = warp_mma<E, D>;
   constexpr int nthreads = 4 * M::threads;
   constexpr int R = M::rows_per_lane;
@@ -35,11 +35,13 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads)) attention_forwa
 
   extern __shared__ uint4 smem_raw[];
   uint16_t* sm = reinterpret_cast<uint16_t*>(smem_raw);
-  // Q, then one or two (K, V) stages. Stages are addressed by arithmetic, not arrays of tiles, so that a run-time
-  // stage index does not push the tile descriptors to local memory.
-  const smem_tile<D> sq{sm};
-  const auto sk = [&](int buf) { return smem_tile<D>{sm + (1 + 2 * buf) * 64 * D}; };
-  const auto sv = [&](int buf) { return smem_tile<D>{sm + (2 + 2 * buf) * 64 * D}; };
+  // (K, V) stages, then Q. Q is read into registers before the loop, so with two stages it borrows the
+  // second stage's K slot (64 KiB instead of 80 for D = 128: three blocks per SM on Hopper, and the whole
+  // 64 KiB LDS of CDNA). Stages are addressed by arithmetic, not arrays of tiles, so that a run-time stage
+  // index does not push the tile descriptors to local memory.
+  const auto sk = [&](int buf) { return smem_tile<D>{sm + (2 * buf) * 64 * D}; };
+  const auto sv = [&](int buf) { return smem_tile<D>{sm + (1 + 2 * buf) * 64 * D}; };
+  const smem_tile<D> sq = stages == 2 ? sk(1) : smem_tile<D>{sm + 2 * 64 * D};
 
   const int64_t i = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int64_t bh = b * p.q_heads + h, hk = h / p.group;
@@ -69,6 +71,7 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads)) attention_forwa
   __syncthreads();
   typename M::row_frag qf;
   M::load_rows(qf, sq, row0);
+  if (stages == 2) __syncthreads(); // Q's slot is refilled by the first prefetch
 
   for (int64_t pos = begin; pos < end; ++pos) {
     const int buf = stages == 2 ? static_cast<int>((pos - begin) & 1) : 0;

@@ -46,9 +46,8 @@ status launch_forward(const forward_params& fp, const Sched& s, int64_t batch, i
 template <class E, int D, class Sched>
 status launch_delta(const delta_params& dp, const Sched& s, int64_t batch, stream_t stream) {
   const int64_t rows = batch * dp.q_heads * dp.rows_total;
-  const int64_t rows_per_block = 256 / warp_size;
-  const int64_t blocks = (rows + rows_per_block - 1) / rows_per_block;
-  attention_delta_kernel<E, Sched><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(dp, s, rows);
+  const int64_t blocks = (rows * delta_lanes<D> + 255) / 256;
+  attention_delta_kernel<E, D, Sched><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(dp, s, rows);
   return launch_status("attention delta");
 }
 
