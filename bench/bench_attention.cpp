@@ -52,9 +52,7 @@ struct inputs {
   problem p;
   int64_t k, tokens;
   buffer q, kk, v, o, d_o, dq, dk, dv;
-  tensor view(const buffer& b, int64_t heads) const {
-    return bshd(b.get(), p.batch, tokens, heads, p.head_dim);
-  }
+  tensor view(const buffer& b, int64_t heads) const { return bshd(b.get(), p.batch, tokens, heads, p.head_dim); }
   explicit inputs(const shape& s)
       : p(anchor_problem(s)), k(resolve_top_k(tile_geometry(p.grid).num_tiles(), options{})),
         tokens(tile_geometry(p.grid).tiled_tokens()) {
@@ -99,8 +97,8 @@ void sparse_forward(benchmark::State& state, const shape& s) {
           "sparse forward");
   });
   state.counters["k"] = double(in.k);
-  state.counters["TFLOP/s"] = benchmark::Counter(forward_flops(in.p, in.k) * 1e-12,
-                                                 benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["TFLOP/s"] =
+      benchmark::Counter(forward_flops(in.p, in.k) * 1e-12, benchmark::Counter::kIsIterationInvariantRate);
 }
 
 void sparse_backward(benchmark::State& state, const shape& s) {
@@ -118,16 +116,15 @@ void sparse_backward(benchmark::State& state, const shape& s) {
         "workspace size");
   buffer ws(bytes);
   time_on_stream(state, nullptr, [&] {
-    check(sparse_attention_backward(in.p, scale, q, k, v, as_const(in.view(in.o, in.p.q_heads)),
-                                    as_const(in.view(in.d_o, in.p.q_heads)), lse.get<float>(),
-                                    as_const(lists.view(in.k)), in.view(in.dq, in.p.q_heads),
-                                    in.view(in.dk, in.p.kv_heads), in.view(in.dv, in.p.kv_heads), ws.get(), bytes,
-                                    nullptr),
+    check(sparse_attention_backward(
+              in.p, scale, q, k, v, as_const(in.view(in.o, in.p.q_heads)), as_const(in.view(in.d_o, in.p.q_heads)),
+              lse.get<float>(), as_const(lists.view(in.k)), in.view(in.dq, in.p.q_heads), in.view(in.dk, in.p.kv_heads),
+              in.view(in.dv, in.p.kv_heads), ws.get(), bytes, nullptr),
           "sparse backward");
   });
   state.counters["k"] = double(in.k);
-  state.counters["TFLOP/s"] = benchmark::Counter(2.5 * forward_flops(in.p, in.k) * 1e-12,
-                                                 benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["TFLOP/s"] =
+      benchmark::Counter(2.5 * forward_flops(in.p, in.k) * 1e-12, benchmark::Counter::kIsIterationInvariantRate);
 }
 
 void op_forward_backward(benchmark::State& state, const shape& s, bool backward_pass) {
@@ -137,8 +134,15 @@ void op_forward_backward(benchmark::State& state, const shape& s, bool backward_
                  as_const(in.view(in.v, in.p.kv_heads)), const_tensor{}, in.view(in.o, in.p.q_heads)};
   std::size_t fbytes = 0, bbytes = 0;
   check(forward(in.p, opt, fio, nullptr, fbytes, nullptr), "forward workspace size");
-  backward_io bio{fio.q, fio.k, fio.v, const_tensor{}, as_const(fio.o), as_const(in.view(in.d_o, in.p.q_heads)),
-                  in.view(in.dq, in.p.q_heads), in.view(in.dk, in.p.kv_heads), in.view(in.dv, in.p.kv_heads),
+  backward_io bio{fio.q,
+                  fio.k,
+                  fio.v,
+                  const_tensor{},
+                  as_const(fio.o),
+                  as_const(in.view(in.d_o, in.p.q_heads)),
+                  in.view(in.dq, in.p.q_heads),
+                  in.view(in.dk, in.p.kv_heads),
+                  in.view(in.dv, in.p.kv_heads),
                   tensor{}};
   check(backward(in.p, opt, bio, nullptr, bbytes, nullptr), "backward workspace size");
   buffer ws(std::max(fbytes, bbytes));
@@ -146,8 +150,7 @@ void op_forward_backward(benchmark::State& state, const shape& s, bool backward_
     time_on_stream(state, nullptr, [&] { check(forward(in.p, opt, fio, ws.get(), fbytes, nullptr), "op forward"); });
   } else {
     check(forward(in.p, opt, fio, ws.get(), fbytes, nullptr), "op forward");
-    time_on_stream(state, nullptr,
-                   [&] { check(backward(in.p, opt, bio, ws.get(), bbytes, nullptr), "op backward"); });
+    time_on_stream(state, nullptr, [&] { check(backward(in.p, opt, bio, ws.get(), bbytes, nullptr), "op backward"); });
   }
   state.counters["k"] = double(in.k);
 }

@@ -87,8 +87,9 @@ struct means_inputs {
     v_c = buffer(static_cast<std::size_t>(in.means_bytes(in.p.kv_heads)));
   }
   void run() {
-    check(block_means(in.p, as_const(in.view(q, in.tokens, in.p.q_heads)), as_const(in.view(k, in.tokens, in.p.kv_heads)),
-                      as_const(in.view(v, in.tokens, in.p.kv_heads)), q_c.get(), k_c.get(), v_c.get(), nullptr),
+    check(block_means(in.p, as_const(in.view(q, in.tokens, in.p.q_heads)),
+                      as_const(in.view(k, in.tokens, in.p.kv_heads)), as_const(in.view(v, in.tokens, in.p.kv_heads)),
+                      q_c.get(), k_c.get(), v_c.get(), nullptr),
           "block_means");
   }
   double bytes() const {

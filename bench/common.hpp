@@ -82,7 +82,7 @@ public:
     return *this;
   }
   ~buffer() {
-    if (ptr_) device_free(ptr_);
+    if (ptr_) (void)device_free(ptr_);
   }
   template <class T = void> T* get() const { return static_cast<T*>(ptr_); }
   std::size_t bytes() const { return bytes_; }

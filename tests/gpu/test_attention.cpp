@@ -70,8 +70,8 @@ struct device_lists {
   device_buffer q2k, count, k2q, offset;
   int64_t capacity;
   explicit device_lists(const host_lists& h)
-      : q2k(upload(h.q2k)), count(upload(h.count)), k2q(upload(h.k2q)), offset(upload(h.offset)),
-        capacity(h.capacity) {}
+      : q2k(upload(h.q2k)), count(upload(h.count)), k2q(upload(h.k2q)), offset(upload(h.offset)), capacity(h.capacity) {
+  }
   const_index_lists view() const {
     return {q2k.as<int32_t>(), count.as<int32_t>(), capacity, k2q.as<int32_t>(), offset.as<int32_t>()};
   }
@@ -113,8 +113,8 @@ void check_sparse(const config& c, int64_t capacity, const char* label, bool rag
   device_buffer lse(lse_ref.size() * sizeof(float));
   lse.poison();
   const device_lists dl(lists);
-  const status st = sparse_attention_forward(p, scale, dq_in.cview(), dk_in.cview(), dv_in.cview(), dl.view(),
-                                             o.view(), lse.as<float>(), nullptr);
+  const status st = sparse_attention_forward(p, scale, dq_in.cview(), dk_in.cview(), dv_in.cview(), dl.view(), o.view(),
+                                             lse.as<float>(), nullptr);
   INFO(st.message());
   REQUIRE(st.is_ok());
   VSA_REQUIRE_RT(gpu_sync());
@@ -245,16 +245,16 @@ TEST_CASE("coarse attention matches the reference", "[gpu][coarse]") {
     const float scale = 1.f / std::sqrt(float(c.head_dim));
     host_tensor o_ref(c.type, p.batch, n, p.q_heads, p.head_dim, layout::bhsd);
     std::vector<float> scores_ref(p.batch * p.q_heads * n * n), lse_ref(p.batch * p.q_heads * n);
-    REQUIRE(reference::coarse_attention(p, scale, q_c.data(), k_c.data(), v_c.data(), scores_ref.data(),
-                                        o_ref.data(), lse_ref.data())
+    REQUIRE(reference::coarse_attention(p, scale, q_c.data(), k_c.data(), v_c.data(), scores_ref.data(), o_ref.data(),
+                                        lse_ref.data())
                 .is_ok());
     const device_tensor dqc(q_c), dkc(k_c), dvc(v_c), ddoc(d_o_c);
     device_tensor o(o_ref, poisoned);
     device_buffer scores(scores_ref.size() * 4), lse(lse_ref.size() * 4);
     scores.poison();
     lse.poison();
-    REQUIRE(coarse_attention(p, scale, dqc.raw(), dkc.raw(), dvc.raw(), scores.as<float>(), o.raw(),
-                             lse.as<float>(), nullptr)
+    REQUIRE(coarse_attention(p, scale, dqc.raw(), dkc.raw(), dvc.raw(), scores.as<float>(), o.raw(), lse.as<float>(),
+                             nullptr)
                 .is_ok());
     VSA_REQUIRE_RT(gpu_sync());
     CHECK(o.all_written());
@@ -272,16 +272,15 @@ TEST_CASE("coarse attention matches the reference", "[gpu][coarse]") {
                                                  dv_ref.data())
                 .is_ok());
     std::size_t bytes = 0;
-    REQUIRE(coarse_attention_backward(p, scale, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
-                                      nullptr, nullptr, nullptr, bytes, nullptr)
+    REQUIRE(coarse_attention_backward(p, scale, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                      nullptr, nullptr, bytes, nullptr)
                 .is_ok());
     device_buffer ws(bytes), dq(eq * 4), dk(ek * 4), dv(ek * 4);
     dq.poison();
     dk.poison();
     dv.poison();
-    REQUIRE(coarse_attention_backward(p, scale, dqc.raw(), dkc.raw(), dvc.raw(), o.raw(), ddoc.raw(),
-                                      lse.as<float>(), dq.as<float>(), dk.as<float>(), dv.as<float>(), ws.get(),
-                                      bytes, nullptr)
+    REQUIRE(coarse_attention_backward(p, scale, dqc.raw(), dkc.raw(), dvc.raw(), o.raw(), ddoc.raw(), lse.as<float>(),
+                                      dq.as<float>(), dk.as<float>(), dv.as<float>(), ws.get(), bytes, nullptr)
                 .is_ok());
     VSA_REQUIRE_RT(gpu_sync());
     const auto as_double = [](const std::vector<float>& x) { return std::vector<double>(x.begin(), x.end()); };
@@ -363,8 +362,8 @@ TEST_CASE("the whole op matches the reference stages", "[gpu][op]") {
       std::vector<float> scores_ref(p.batch * p.q_heads * n * n), lse_c(p.batch * p.q_heads * n),
           lse(p.batch * p.q_heads * tokens);
       REQUIRE(reference::block_means(p, q.view(), k.view(), v.view(), q_c.data(), k_c.data(), v_c.data()).is_ok());
-      REQUIRE(reference::coarse_attention(p, scale, q_c.data(), k_c.data(), v_c.data(), scores_ref.data(),
-                                          o_c.data(), lse_c.data())
+      REQUIRE(reference::coarse_attention(p, scale, q_c.data(), k_c.data(), v_c.data(), scores_ref.data(), o_c.data(),
+                                          lse_c.data())
                   .is_ok());
       CHECK(rel_error(std::vector<double>(scores.begin(), scores.end()),
                       std::vector<double>(scores_ref.begin(), scores_ref.end())) < 1e-2);
@@ -373,8 +372,8 @@ TEST_CASE("the whole op matches the reference stages", "[gpu][op]") {
       REQUIRE(reference::sparse_attention_forward(p, scale, q.view(), k.view(), v.view(), as_const(sel.view()),
                                                   o_s.view(), lse.data())
                   .is_ok());
-      REQUIRE(reference::combine(p, o_s.view(), gated ? gate.cview() : const_tensor{}, o_c.data(), o_ref.view())
-                  .is_ok());
+      REQUIRE(
+          reference::combine(p, o_s.view(), gated ? gate.cview() : const_tensor{}, o_c.data(), o_ref.view()).is_ok());
       CHECK(error_of(o, o_ref) < tolerance);
 
       // Backward, twice: bitwise the same.
@@ -410,9 +409,8 @@ TEST_CASE("the whole op matches the reference stages", "[gpu][op]") {
       std::vector<std::vector<double>> runs;
       for (int run = 0; run < 2; ++run) {
         device_tensor dq(shape_q, poisoned), dk(shape_kv, poisoned), dv(shape_kv, poisoned), dg(shape_q, poisoned);
-        const backward_io bio{dq_in.cview(),  dk_in.cview(), dv_in.cview(), gate_view,
-                              o.cview(),      ddo.cview(),   dq.view(),     dk.view(),
-                              dv.view(),      gated ? dg.view() : tensor{}};
+        const backward_io bio{dq_in.cview(), dk_in.cview(), dv_in.cview(), gate_view, o.cview(),
+                              ddo.cview(),   dq.view(),     dk.view(),     dv.view(), gated ? dg.view() : tensor{}};
         const status sb = backward(p, opt, bio, wsb.get(), bbytes, nullptr);
         INFO(sb.message());
         REQUIRE(sb.is_ok());

@@ -87,11 +87,11 @@ TEST_CASE("combine matches the reference", "[gpu][combine]") {
     for (const bool gated : {true, false}) {
       INFO(describe(c) << (gated ? " gated" : " ungated"));
       host_tensor ref(c.type, c.batch, tokens, c.heads, c.head_dim, c.order);
-      REQUIRE(reference::combine(p, o_s.cview(), gated ? gate.cview() : const_tensor{}, o_c.data(), ref.view())
-                  .is_ok());
+      REQUIRE(
+          reference::combine(p, o_s.cview(), gated ? gate.cview() : const_tensor{}, o_c.data(), ref.view()).is_ok());
       device_tensor o(ref, poisoned);
-      const status st = combine(p, d_o_s.cview(), gated ? d_gate.cview() : const_tensor{}, d_o_c.raw(), o.view(),
-                                nullptr);
+      const status st =
+          combine(p, d_o_s.cview(), gated ? d_gate.cview() : const_tensor{}, d_o_c.raw(), o.view(), nullptr);
       INFO(st.message());
       REQUIRE(st.is_ok());
       VSA_REQUIRE_RT(gpu_sync());
@@ -104,8 +104,7 @@ TEST_CASE("combine matches the reference", "[gpu][combine]") {
 
       // In place: o is the same view as o_s.
       device_tensor inplace(o_s);
-      REQUIRE(combine(p, inplace.cview(), gated ? d_gate.cview() : const_tensor{}, d_o_c.raw(), inplace.view(),
-                      nullptr)
+      REQUIRE(combine(p, inplace.cview(), gated ? d_gate.cview() : const_tensor{}, d_o_c.raw(), inplace.view(), nullptr)
                   .is_ok());
       VSA_REQUIRE_RT(gpu_sync());
       CHECK(mismatches(inplace.download(), ref, 1e-5) == 0);

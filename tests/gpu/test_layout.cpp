@@ -38,12 +38,9 @@ layout other(layout o) { return o == layout::bshd ? layout::bhsd : layout::bshd;
 // random, so every run also sees shapes nobody picked.
 std::vector<config> configs(rng& g) {
   std::vector<config> c = {
-      {{5, 6, 7}, 2, 4, 2, 64, dtype::bf16, layout::bshd},
-      {{9, 10, 11}, 1, 2, 2, 128, dtype::fp16, layout::bhsd},
-      {{4, 8, 13}, 2, 3, 1, 128, dtype::bf16, layout::bhsd},
-      {{8, 8, 8}, 1, 2, 1, 64, dtype::fp16, layout::bshd},
-      {{1, 1, 1}, 1, 1, 1, 64, dtype::bf16, layout::bshd},
-      {{3, 1, 17}, 3, 2, 2, 128, dtype::bf16, layout::bshd},
+      {{5, 6, 7}, 2, 4, 2, 64, dtype::bf16, layout::bshd},   {{9, 10, 11}, 1, 2, 2, 128, dtype::fp16, layout::bhsd},
+      {{4, 8, 13}, 2, 3, 1, 128, dtype::bf16, layout::bhsd}, {{8, 8, 8}, 1, 2, 1, 64, dtype::fp16, layout::bshd},
+      {{1, 1, 1}, 1, 1, 1, 64, dtype::bf16, layout::bshd},   {{3, 1, 17}, 3, 2, 2, 128, dtype::bf16, layout::bshd},
   };
   for (int i = 0; i < 3; ++i) {
     const int64_t kv = g.integer(1, 3);
@@ -170,8 +167,8 @@ TEST_CASE("block means match the reference", "[gpu][means]") {
     host_tensor q_ref(c.type, c.batch, n, c.q_heads, c.head_dim, layout::bhsd),
         k_ref(c.type, c.batch, n, c.kv_heads, c.head_dim, layout::bhsd),
         v_ref(c.type, c.batch, n, c.kv_heads, c.head_dim, layout::bhsd);
-    REQUIRE(reference::block_means(p, q.cview(), k.cview(), v.cview(), q_ref.data(), k_ref.data(), v_ref.data())
-                .is_ok());
+    REQUIRE(
+        reference::block_means(p, q.cview(), k.cview(), v.cview(), q_ref.data(), k_ref.data(), v_ref.data()).is_ok());
 
     const device_tensor dq(q), dk(k), dv(v);
     device_tensor q_c(q_ref, poisoned), k_c(k_ref, poisoned), v_c(v_ref, poisoned);

@@ -6,6 +6,7 @@
 #include "support/host.hpp"
 
 #include <vsa/gpu/index.hpp>
+#include <vsa/gpu/primitives.hpp>
 #include <vsa/gpu/select.hpp>
 #include <vsa/reference/index.hpp>
 #include <vsa/reference/select.hpp>
@@ -132,8 +133,8 @@ void check_selection(const problem& p, int64_t k, int64_t capacity, const std::v
   if (bad >= 0) {
     const int64_t row = bad / capacity, n = tile_geometry(p.grid).num_tiles();
     const int32_t want = ref.q2k[static_cast<std::size_t>(bad)];
-    INFO("first mismatch in row " << row << " slot " << bad % capacity << ": got " << got[bad] << ", expected "
-                                  << want << " (score " << (want >= 0 ? scores[row * n + want] : 0.0f) << ")");
+    INFO("first mismatch in row " << row << " slot " << bad % capacity << ": got " << got[bad] << ", expected " << want
+                                  << " (score " << (want >= 0 ? scores[row * n + want] : 0.0f) << ")");
     CHECK(bad < 0);
   }
   CHECK(first_mismatch(got_count, ref.count) < 0);
@@ -150,13 +151,13 @@ void check_selection(const shape& s, int64_t k, int64_t capacity, scores_kind ki
 TEST_CASE("select_top_k matches the reference", "[gpu][selection]") {
   VSA_TEST_RNG(g, "select");
   const std::vector<shape> shapes = {
-      {{1, 1, 1}, 1, 1},     // N = 1
-      {{8, 8, 8}, 2, 2},     // N = 8
-      {{5, 6, 7}, 1, 3},     // N = 8, partial tiles
-      {{9, 10, 11}, 2, 2},   // N = 27
-      {{21, 30, 52}, 1, 2},  // N = 624, the wan2.1 anchor's rows
-      {{48, 48, 32}, 1, 1},  // N = 1152: 32 scores per thread, in registers
-      {{20, 20, 36}, 2, 1},  // N = 225 (not a multiple of 4: scalar loads)
+      {{1, 1, 1}, 1, 1},    // N = 1
+      {{8, 8, 8}, 2, 2},    // N = 8
+      {{5, 6, 7}, 1, 3},    // N = 8, partial tiles
+      {{9, 10, 11}, 2, 2},  // N = 27
+      {{21, 30, 52}, 1, 2}, // N = 624, the wan2.1 anchor's rows
+      {{48, 48, 32}, 1, 1}, // N = 1152: 32 scores per thread, in registers
+      {{20, 20, 36}, 2, 1}, // N = 225 (not a multiple of 4: scalar loads)
   };
   for (const shape& s : shapes) {
     const int64_t n = tiles_of(s);
@@ -393,8 +394,7 @@ TEST_CASE("build_k2q validates before it runs", "[gpu][index]") {
   device_buffer ws(bytes);
   std::size_t small = bytes - 1;
   CHECK(build_k2q(p, d.view(), ws.get(), small, nullptr).code() == errc::bad_workspace);
-  CHECK(build_k2q(p, d.view(), static_cast<char*>(ws.get()) + 4, bytes, nullptr).code() ==
-        errc::misaligned_pointer);
+  CHECK(build_k2q(p, d.view(), static_cast<char*>(ws.get()) + 4, bytes, nullptr).code() == errc::misaligned_pointer);
   idx = d.view();
   idx.k2q = nullptr;
   CHECK(build_k2q(p, idx, ws.get(), bytes, nullptr).code() == errc::null_pointer);
@@ -433,6 +433,118 @@ TEST_CASE("selection then k2q, all on the device", "[gpu][selection][index]") {
   CHECK(first_mismatch(offset.download<int32_t>(), expect.offset) < 0);
   CHECK(first_mismatch(k2q.download<int32_t>(), expect.k2q) < 0);
   for (device_buffer* b : {&q2k, &count, &k2q, &offset}) CHECK(b->canaries_intact());
+}
+
+// ---- block primitives -----------------------------------------------------------------------------------
+
+constexpr int prim_threads = 128, prim_items = 4;
+
+// Per block: exclusive and inclusive sums of one value per thread, the blocked 4-item exclusive sum and its
+// total, the sum and the maximum, and a key-value radix sort both ways.
+__global__ void primitives_kernel(const uint32_t* in, uint32_t* out) {
+  using scan = gpu::block_scan<uint32_t, prim_threads>;
+  using reduce = gpu::block_reduce<uint32_t, prim_threads>;
+  using sort = gpu::block_radix_sort<uint32_t, int32_t, prim_threads, prim_items>;
+  __shared__ union {
+    typename scan::TempStorage scanning;
+    typename reduce::TempStorage reducing;
+    typename sort::TempStorage sorting;
+  } temp;
+  const int t = threadIdx.x;
+  const uint32_t* x = in + blockIdx.x * prim_threads * prim_items;
+  uint32_t* o = out + blockIdx.x * prim_threads * prim_items * 8;
+  const int span = prim_threads * prim_items;
+  uint32_t a, b, total, items[prim_items], sums[prim_items];
+  scan(temp.scanning).exclusive_sum(x[t], a);
+  __syncthreads();
+  scan(temp.scanning).inclusive_sum(x[t], b);
+  __syncthreads();
+  o[t] = a;
+  o[span + t] = b;
+  for (int u = 0; u < prim_items; ++u) items[u] = x[t * prim_items + u];
+  scan(temp.scanning).exclusive_sum(items, sums, total);
+  __syncthreads();
+  for (int u = 0; u < prim_items; ++u) o[2 * span + t * prim_items + u] = sums[u];
+  o[3 * span + t] = total;
+  const uint32_t sum = reduce(temp.reducing).sum(x[t]);
+  __syncthreads();
+  const uint32_t top = reduce(temp.reducing).reduce(x[t], [](uint32_t p, uint32_t q) { return p > q ? p : q; });
+  __syncthreads();
+  if (t == 0) {
+    o[4 * span] = sum;
+    o[4 * span + 1] = top;
+  }
+  int32_t index[prim_items];
+  for (int u = 0; u < prim_items; ++u) {
+    items[u] = x[t * prim_items + u] & 0xffu; // 8-bit keys: many ties, so stability shows
+    index[u] = t * prim_items + u;
+  }
+  sort(temp.sorting).sort(items, index, 0, 8);
+  __syncthreads();
+  for (int u = 0; u < prim_items; ++u) {
+    o[5 * span + t * prim_items + u] = items[u];
+    o[6 * span + t * prim_items + u] = static_cast<uint32_t>(index[u]);
+  }
+  sort(temp.sorting).sort_descending(items, index, 0, 8);
+  __syncthreads();
+  for (int u = 0; u < prim_items; ++u) o[7 * span + t * prim_items + u] = static_cast<uint32_t>(index[u]);
+}
+
+TEST_CASE("the block primitives agree with sequential code", "[gpu][primitives]") {
+  VSA_TEST_RNG(g, "primitives");
+  const int blocks = 3, span = prim_threads * prim_items;
+  std::vector<uint32_t> in(static_cast<std::size_t>(blocks * span));
+  for (auto& v : in) v = static_cast<uint32_t>(g.integer(0, 1 << 20));
+  const device_buffer d_in = upload(in);
+  device_buffer d_out(static_cast<std::size_t>(blocks) * span * 8 * 4);
+  d_out.poison_indices();
+  primitives_kernel<<<blocks, prim_threads>>>(d_in.as<uint32_t>(), d_out.as<uint32_t>());
+  VSA_REQUIRE_RT(gpu::last_error());
+  VSA_REQUIRE_RT(gpu_sync());
+  const std::vector<uint32_t> out = d_out.download<uint32_t>();
+  for (int b = 0; b < blocks; ++b) {
+    INFO("block " << b);
+    const uint32_t* x = in.data() + b * span;
+    const uint32_t* o = out.data() + static_cast<std::size_t>(b) * span * 8;
+    uint32_t run = 0, bad = 0;
+    for (int t = 0; t < prim_threads; ++t) {
+      bad += o[t] != run;
+      run += x[t];
+      bad += o[span + t] != run;
+    }
+    CHECK(bad == 0);
+    run = 0;
+    bad = 0;
+    for (int e = 0; e < span; ++e) {
+      bad += o[2 * span + e] != run;
+      run += x[e];
+    }
+    CHECK(bad == 0);
+    bad = 0;
+    for (int t = 0; t < prim_threads; ++t) bad += o[3 * span + t] != run;
+    CHECK(bad == 0);
+    uint32_t sum = 0, top = 0;
+    for (int t = 0; t < prim_threads; ++t) {
+      sum += x[t];
+      top = std::max(top, x[t]);
+    }
+    CHECK(o[4 * span] == sum);
+    CHECK(o[4 * span + 1] == top);
+    std::vector<int32_t> order(static_cast<std::size_t>(span));
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int32_t p, int32_t q) { return (x[p] & 0xffu) < (x[q] & 0xffu); });
+    bad = 0;
+    for (int e = 0; e < span; ++e) {
+      bad += o[5 * span + e] != (x[order[e]] & 0xffu);
+      bad += o[6 * span + e] != static_cast<uint32_t>(order[e]);
+    }
+    CHECK(bad == 0);
+    // Descending and stable, from the ascending order: equal keys keep that order.
+    std::stable_sort(order.begin(), order.end(), [&](int32_t p, int32_t q) { return (x[p] & 0xffu) > (x[q] & 0xffu); });
+    bad = 0;
+    for (int e = 0; e < span; ++e) bad += o[7 * span + e] != static_cast<uint32_t>(order[e]);
+    CHECK(bad == 0);
+  }
 }
 
 } // namespace

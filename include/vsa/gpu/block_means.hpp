@@ -13,15 +13,15 @@ namespace vsa {
 namespace gpu {
 namespace detail {
 
-inline constexpr int tile_rows_threads = 128;
+inline constexpr int tile_row_threads = 128;
 
 // Thread layout of a block that reads the rows of one tile of one head: `vectors` threads across a row,
 // `groups` rows at a time, each thread covering `rows_per_thread` rows.
-template <int D> struct tile_rows {
+template <int D> struct tile_row_layout {
   static constexpr int vectors = D / 8;
-  static constexpr int groups = tile_rows_threads / vectors;
+  static constexpr int groups = tile_row_threads / vectors;
   static constexpr int rows_per_thread = tile_tokens / groups;
-  static_assert(tile_rows_threads % vectors == 0 && tile_tokens % groups == 0, "rows must split evenly");
+  static_assert(tile_row_threads % vectors == 0 && tile_tokens % groups == 0, "rows must split evenly");
 };
 
 // Adds the groups' partial row sums: on return, thread t < D holds the column sum of element t. `partial`
@@ -35,7 +35,7 @@ __device__ __forceinline__ float sum_row_groups(const float (&mine)[8], float (*
   float total = 0.0f;
   if (threadIdx.x < D) {
 #pragma unroll
-    for (int g = 0; g < tile_rows<D>::groups; ++g) total += partial[g][threadIdx.x];
+    for (int g = 0; g < tile_row_layout<D>::groups; ++g) total += partial[g][threadIdx.x];
   }
   return total;
 }
@@ -65,8 +65,8 @@ __device__ __forceinline__ means_source pick(const means_params& p, bool is_q, b
   return s;
 }
 
-template <class E, int D> __global__ void __launch_bounds__(tile_rows_threads) block_means_kernel(means_params p) {
-  using L = tile_rows<D>;
+template <class E, int D> __global__ void __launch_bounds__(tile_row_threads) block_means_kernel(means_params p) {
+  using L = tile_row_layout<D>;
   __shared__ __align__(16) float partial[L::groups][D];
   const int64_t tiles = p.geo.num_tiles();
   const int64_t slots = p.q.heads + p.k.heads + p.v.heads;
@@ -130,9 +130,9 @@ inline status block_means(const problem& p, const_tensor q, const_tensor k, cons
   return gd::dispatch_element(p.type, [&](auto element) {
     using E = decltype(element);
     if (p.head_dim == 64)
-      gd::block_means_kernel<E, 64><<<blocks, gd::tile_rows_threads, 0, stream>>>(mp);
+      gd::block_means_kernel<E, 64><<<blocks, gd::tile_row_threads, 0, stream>>>(mp);
     else
-      gd::block_means_kernel<E, 128><<<blocks, gd::tile_rows_threads, 0, stream>>>(mp);
+      gd::block_means_kernel<E, 128><<<blocks, gd::tile_row_threads, 0, stream>>>(mp);
     return gpu::launch_status("block_means");
   });
 }

@@ -98,9 +98,9 @@ struct combine_backward_params {
   int64_t batch, heads;
 };
 
-template <class E, int D>
-__global__ void __launch_bounds__(tile_rows_threads) combine_backward_kernel(combine_backward_params p) {
-  using L = tile_rows<D>;
+template <class E, int D> __global__ void __launch_bounds__(tile_row_threads)
+    combine_backward_kernel(combine_backward_params p) {
+  using L = tile_row_layout<D>;
   __shared__ __align__(16) float partial[L::groups][D];
   const int64_t tiles = p.geo.num_tiles();
   const int64_t items = p.batch * tiles * p.heads;
@@ -222,9 +222,9 @@ inline status combine_backward(const problem& p, const_tensor d_o, const_tensor 
   return gd::dispatch_element(p.type, [&](auto element) {
     using E = decltype(element);
     if (p.head_dim == 64)
-      gd::combine_backward_kernel<E, 64><<<blocks, gd::tile_rows_threads, 0, stream>>>(bp);
+      gd::combine_backward_kernel<E, 64><<<blocks, gd::tile_row_threads, 0, stream>>>(bp);
     else
-      gd::combine_backward_kernel<E, 128><<<blocks, gd::tile_rows_threads, 0, stream>>>(bp);
+      gd::combine_backward_kernel<E, 128><<<blocks, gd::tile_row_threads, 0, stream>>>(bp);
     return gpu::launch_status("combine_backward");
   });
 }

@@ -88,12 +88,9 @@ inline status check_layout(const problem& p, int64_t heads, const const_tensor& 
 template <bool ToTiled>
 status launch_layout(const problem& p, int64_t heads, const const_tensor& src, const tensor& dst, stream_t stream) {
   const tile_geometry geo(p.grid);
-  layout_params lp{make_vector_view<const uint4>(src),
-                   make_vector_view<uint4>(dst),
-                   geo,
-                   p.batch,
-                   static_cast<unsigned>(heads),
-                   p.head_dim == 64 ? 3 : 4};
+  layout_params lp{make_vector_view<const uint4>(src), make_vector_view<uint4>(dst), geo, p.batch, 0u, 0};
+  lp.heads = static_cast<unsigned>(heads);
+  lp.vec_shift = p.head_dim == 64 ? 3 : 4;
   const int64_t items = p.batch * geo.num_tiles() * (tile_tokens / layout_slots);
   layout_kernel<ToTiled><<<grid_blocks(items), layout_threads, 0, stream>>>(lp);
   return launch_status(ToTiled ? "tile" : "untile");

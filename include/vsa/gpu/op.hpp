@@ -145,8 +145,9 @@ inline status forward(const problem& p, const options& opt, const forward_io& io
     void *qc = w.at(workspace, w.q_c), *kc = w.at(workspace, w.k_c), *vc = w.at(workspace, w.v_c);
     float* scores = w.at<float>(workspace, w.scores);
     s = block_means(p, io.q, io.k, io.v, qc, kc, vc, stream);
-    if (s) s = coarse_attention(p, scale, qc, kc, vc, scores, w.at(workspace, w.o_c), w.at<float>(workspace, w.lse_c),
-                                stream);
+    if (s)
+      s = coarse_attention(p, scale, qc, kc, vc, scores, w.at(workspace, w.o_c), w.at<float>(workspace, w.lse_c),
+                           stream);
     std::size_t select_bytes = w.index_scratch - w.select_scratch;
     if (s) s = select_top_k(p, w.top_k, scores, idx, w.at(workspace, w.select_scratch), select_bytes, stream);
   } else {
@@ -228,7 +229,10 @@ inline status backward(const problem& p, const options& opt, const backward_io& 
     if (!s) return s;
   }
 
-  float* delta = w.at<float>(workspace, w.sparse_scratch);
+  gpu::detail::backward_params bp{};
+  s = detail::prepare_sparse_backward(p, idx, w.at(workspace, w.sparse_scratch), bp, stream);
+  if (!s) return s;
+  float* delta = const_cast<float*>(bp.delta);
   const auto qs = detail::q2k_schedule(p, idx);
   const auto ks = detail::k2q_schedule(p, idx);
   gpu::detail::delta_params dp{};
@@ -241,7 +245,6 @@ inline status backward(const problem& p, const options& opt, const backward_io& 
   dp.rows_total = tokens;
   dp.tiles = qs.tiles;
 
-  gpu::detail::backward_params bp{};
   bp.q = gpu::detail::make_operand(io.q);
   bp.k = gpu::detail::make_operand(io.k);
   bp.v = gpu::detail::make_operand(io.v);
@@ -250,7 +253,6 @@ inline status backward(const problem& p, const options& opt, const backward_io& 
   bp.dk = gpu::detail::make_operand(io.dk);
   bp.dv = gpu::detail::make_operand(io.dv);
   bp.lse = w.at<const float>(workspace, w.lse);
-  bp.delta = delta;
   if (w.coarse) {
     bp.fold_q = w.at<const float>(workspace, w.dq_c);
     bp.fold_k = w.at<const float>(workspace, w.dk_c);

@@ -171,8 +171,8 @@ inline status select_top_k(const problem& p, int64_t top_k, const float* scores,
   if (top_k < 1 || top_k > n)
     return status::error(errc::bad_top_k, "top_k: must be in 1..%lld, got %lld", (long long)n, (long long)top_k);
   if (idx.q2k_capacity < top_k || idx.q2k_capacity > n)
-    return status::error(errc::bad_index, "q2k_capacity: must be in top_k..N = %lld..%lld, got %lld",
-                         (long long)top_k, (long long)n, (long long)idx.q2k_capacity);
+    return status::error(errc::bad_index, "q2k_capacity: must be in top_k..N = %lld..%lld, got %lld", (long long)top_k,
+                         (long long)n, (long long)idx.q2k_capacity);
   if (workspace == nullptr) {
     workspace_bytes = gpu::detail::top_k_workspace_bytes;
     return status::ok();

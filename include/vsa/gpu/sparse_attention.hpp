@@ -44,9 +44,8 @@ inline gpu::detail::sparse_schedule k2q_schedule(const problem& p, const const_i
 
 // o_s and the fp32 log-sum-exp lse [B, Hq, N·64] of every query token over the valid tokens of its
 // selected key tiles. Padding rows, and rows whose list is empty, get o_s = 0 and lse = +inf.
-inline status sparse_attention_forward(const problem& p, float scale, const_tensor q, const_tensor k,
-                                       const_tensor v, const_index_lists idx, tensor o_s, float* lse,
-                                       gpu::stream_t stream) {
+inline status sparse_attention_forward(const problem& p, float scale, const_tensor q, const_tensor k, const_tensor v,
+                                       const_index_lists idx, tensor o_s, float* lse, gpu::stream_t stream) {
   status s = check_problem(p, target::gpu);
   if (!s) return s;
   const int64_t tokens = tile_geometry(p.grid).tiled_tokens();
@@ -76,17 +75,46 @@ inline status sparse_attention_forward(const problem& p, float scale, const_tens
   });
 }
 
-// Workspace of the backward: delta, one fp32 per query row.
+// Workspace of the backward: delta (one fp32 per query row) and the launch order of the dk/dv blocks.
 inline std::size_t sparse_attention_backward_workspace(const problem& p) {
-  return detail::align_up(sizeof(float) * p.batch * p.q_heads * tile_geometry(p.grid).tiled_tokens());
+  const int64_t n = tile_geometry(p.grid).num_tiles();
+  return detail::align_up(sizeof(float) * p.batch * p.q_heads * n * 64) +
+         detail::align_up(sizeof(int32_t) * 2 * gpu::detail::order_buckets * p.batch * p.kv_heads) +
+         detail::align_up(sizeof(int32_t) * p.batch * p.kv_heads * n);
 }
+
+namespace detail {
+
+// Carves the backward's scratch, points bp at it and launches what fills the dk/dv launch order.
+inline status prepare_sparse_backward(const problem& p, const const_index_lists& idx, void* scratch,
+                                      gpu::detail::backward_params& bp, gpu::stream_t stream) {
+  const int64_t n = tile_geometry(p.grid).num_tiles();
+  unsigned char* at = static_cast<unsigned char*>(scratch);
+  float* delta = reinterpret_cast<float*>(at);
+  at += align_up(sizeof(float) * p.batch * p.q_heads * n * 64);
+  gpu::detail::order_params op{};
+  op.counts = reinterpret_cast<int32_t*>(at);
+  at += align_up(sizeof(int32_t) * 2 * gpu::detail::order_buckets * p.batch * p.kv_heads);
+  op.order = reinterpret_cast<int32_t*>(at);
+  op.k2q_offset = idx.k2q_offset;
+  op.tiles = n;
+  op.q_heads = p.q_heads;
+  op.kv_heads = p.kv_heads;
+  op.group = p.q_heads / p.kv_heads;
+  op.items = p.batch * p.kv_heads * n;
+  bp.delta = delta;
+  bp.order = op.order;
+  return gpu::detail::launch_order(op, stream);
+}
+
+} // namespace detail
 
 // dq, dk, dv of the sparse attention, given dO and the forward's o_s and lse. dq walks the q2k lists, dk
 // and dv the k2q lists (idx needs both), so no atomics are used and the result is bitwise reproducible.
-inline status sparse_attention_backward(const problem& p, float scale, const_tensor q, const_tensor k,
-                                        const_tensor v, const_tensor o_s, const_tensor d_o, const float* lse,
-                                        const_index_lists idx, tensor dq, tensor dk, tensor dv, void* workspace,
-                                        std::size_t& workspace_bytes, gpu::stream_t stream) {
+inline status sparse_attention_backward(const problem& p, float scale, const_tensor q, const_tensor k, const_tensor v,
+                                        const_tensor o_s, const_tensor d_o, const float* lse, const_index_lists idx,
+                                        tensor dq, tensor dk, tensor dv, void* workspace, std::size_t& workspace_bytes,
+                                        gpu::stream_t stream) {
   status s = check_problem(p, target::gpu);
   if (!s) return s;
   const std::size_t need = sparse_attention_backward_workspace(p);
@@ -109,7 +137,10 @@ inline status sparse_attention_backward(const problem& p, float scale, const_ten
   if (s) s = check_workspace(workspace, workspace_bytes, need);
   if (!s) return s;
 
-  float* delta = static_cast<float*>(workspace);
+  gpu::detail::backward_params bp{};
+  s = detail::prepare_sparse_backward(p, idx, workspace, bp, stream);
+  if (!s) return s;
+  float* delta = const_cast<float*>(bp.delta);
   const auto qs = detail::q2k_schedule(p, idx);
   const auto ks = detail::k2q_schedule(p, idx);
   gpu::detail::delta_params dp{};
@@ -122,7 +153,6 @@ inline status sparse_attention_backward(const problem& p, float scale, const_ten
   dp.rows_total = tokens;
   dp.tiles = qs.tiles;
 
-  gpu::detail::backward_params bp{};
   bp.q = gpu::detail::make_operand(q);
   bp.k = gpu::detail::make_operand(k);
   bp.v = gpu::detail::make_operand(v);
@@ -131,7 +161,6 @@ inline status sparse_attention_backward(const problem& p, float scale, const_ten
   bp.dk = gpu::detail::make_operand(dk);
   bp.dv = gpu::detail::make_operand(dv);
   bp.lse = lse;
-  bp.delta = delta;
   bp.q_heads = p.q_heads;
   bp.kv_heads = p.kv_heads;
   bp.group = p.q_heads / p.kv_heads;

@@ -26,9 +26,8 @@ namespace gpu {
 // tile, 16 bytes a thread at a time; rows at or past `valid` are zero-filled so that padding slots hold no
 // NaN or Inf that a zero probability could turn into NaN. On NVIDIA the copy is asynchronous (cp.async):
 // call copy_commit() after issuing a stage and copy_wait<N>() before reading it.
-template <int D>
-__device__ __forceinline__ void copy_tile(smem_tile<D> dst, const uint16_t* src, int64_t row_stride, int valid,
-                                          int tid, int nthreads) {
+template <int D> __device__ __forceinline__ void copy_tile(smem_tile<D> dst, const uint16_t* src, int64_t row_stride,
+                                                           int valid, int tid, int nthreads) {
   constexpr int chunks = smem_tile<D>::chunks;
   for (int i = tid; i < tile_rows * chunks; i += nthreads) {
     const int r = i / chunks, c = i % chunks;

@@ -26,7 +26,8 @@ struct forward_params {
 };
 
 template <class E, int D, class Sched>
-__global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blocks) attention_forward_kernel(forward_params p, Sched s) {
+__global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blocks)
+    attention_forward_kernel(forward_params p, Sched s) {
   using M = warp_mma<E, D>;
   constexpr int nthreads = 4 * M::threads;
   constexpr int R = M::rows_per_lane;

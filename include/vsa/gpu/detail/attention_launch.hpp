@@ -51,9 +51,22 @@ status launch_delta(const delta_params& dp, const Sched& s, int64_t batch, strea
   return launch_status("attention delta");
 }
 
-template <class E, int D, class Sched>
-status launch_backward(const backward_params& bp, const Sched& q_sched, const Sched& k_sched, int64_t batch,
-                       stream_t stream) {
+// Fills op.order (and uses op.counts, 2·order_buckets ints a kv head) with the longest-first order of the
+// dk/dv blocks of each kv head.
+inline status launch_order(const order_params& op, stream_t stream) {
+  const std::size_t heads = static_cast<std::size_t>(op.items / op.tiles);
+  status st = runtime_status(memset_async(op.counts, 0, heads * 2 * order_buckets * sizeof(int32_t), stream), "order");
+  if (!st) return st;
+  const unsigned blocks = static_cast<unsigned>((op.items + 255) / 256);
+  order_count_kernel<><<<blocks, 256, 0, stream>>>(op);
+  st = launch_status("attention backward (order)");
+  if (!st) return st;
+  order_place_kernel<><<<blocks, 256, 0, stream>>>(op);
+  return launch_status("attention backward (order)");
+}
+
+template <class E, int D, class Sched> status launch_backward(const backward_params& bp, const Sched& q_sched,
+                                                              const Sched& k_sched, int64_t batch, stream_t stream) {
   using M = warp_mma<E, D>;
   constexpr int smem = smem_plan<D>::backward_bytes;
   const auto dq_kernel = attention_dq_kernel<E, D, Sched>;
@@ -66,8 +79,9 @@ status launch_backward(const backward_params& bp, const Sched& q_sched, const Sc
   dq_kernel<<<qgrid, 4 * M::threads, smem, stream>>>(bp, q_sched);
   st = launch_status("attention backward (dq)");
   if (!st) return st;
-  const dim3 kgrid(static_cast<unsigned>(k_sched.tiles), static_cast<unsigned>(bp.kv_heads),
-                   static_cast<unsigned>(batch));
+  const dim3 kgrid = bp.order != nullptr ? dim3(static_cast<unsigned>(k_sched.tiles * bp.kv_heads * batch))
+                                         : dim3(static_cast<unsigned>(k_sched.tiles),
+                                                static_cast<unsigned>(bp.kv_heads), static_cast<unsigned>(batch));
   dkdv_kernel<<<kgrid, 4 * M::threads, smem, stream>>>(bp, k_sched);
   return launch_status("attention backward (dk, dv)");
 }

@@ -22,8 +22,8 @@ struct operand {
   }
 };
 template <class P> inline operand make_operand(const basic_tensor<P>& t) {
-  return {static_cast<uint16_t*>(const_cast<void*>(static_cast<const void*>(t.data))), t.batch_stride,
-          t.token_stride, t.head_stride};
+  return {static_cast<uint16_t*>(const_cast<void*>(static_cast<const void*>(t.data))), t.batch_stride, t.token_stride,
+          t.head_stride};
 }
 // Contiguous [B, H, rows, D] (the tile means and coarse outputs).
 inline operand make_dense_operand(const void* data, int64_t heads, int64_t rows, int64_t head_dim) {
@@ -69,8 +69,8 @@ private:
 
 struct dense_schedule {
   static constexpr bool has_padding_rows = false; // the last block's missing rows do not exist in memory
-  int64_t length; // N rows
-  int64_t tiles;  // ⌈N / 64⌉
+  int64_t length;                                 // N rows
+  int64_t tiles;                                  // ⌈N / 64⌉
 
   __device__ __forceinline__ int64_t rows_total() const { return length; }
   __device__ __forceinline__ int valid(int64_t tile) const {
