@@ -151,6 +151,22 @@ void k2q_stage(benchmark::State& state, const shape& s) {
   state.counters["k"] = double(sel.in.k);
 }
 
+// Coarse attention alone, on the means the block-means stage produced.
+void coarse_stage(benchmark::State& state, const shape& s) {
+  means_inputs m(s);
+  selection_inputs sel(s);
+  const problem& p = m.in.p;
+  buffer o_c(static_cast<std::size_t>(m.in.means_bytes(p.q_heads))), lse_c(p.batch * p.q_heads * m.in.n * 4);
+  const float scale = 1.f / std::sqrt(float(p.head_dim));
+  m.run();
+  time_on_stream(state, nullptr, [&] {
+    check(coarse_attention(p, scale, m.q_c.get(), m.k_c.get(), m.v_c.get(), sel.scores.get<float>(), o_c.get(),
+                           lse_c.get<float>(), nullptr),
+          "coarse_attention");
+  });
+  state.counters["N"] = double(m.in.n);
+}
+
 // Block means -> coarse attention (scores, o_c, lse_c) -> top-k -> k2q: everything before the sparse pass.
 void chain_stage(benchmark::State& state, const shape& s) {
   means_inputs m(s);
@@ -190,6 +206,7 @@ const bool registered = [] {
     add("combine/" + n, combine_stage, s, false);
     add("combine_backward/" + n, combine_stage, s, true);
     add("block_means/" + n, means_stage, s);
+    add("coarse_attention/" + n, coarse_stage, s);
     add("select_top_k/" + n, top_k_stage, s);
     add("build_k2q/" + n, k2q_stage, s);
     add("means_coarse_topk_k2q/" + n, chain_stage, s);

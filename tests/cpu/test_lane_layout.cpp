@@ -2,12 +2,18 @@
 // the instructions. The models below are written from the ISA documents' tables, independently of the header:
 // the header's fragments are fed to them and the results read back through the header's element mapping, so
 // a wrong mapping gives a wrong product. The warp-level nt / nn of the matrix layer are replayed step by step
-// with the same address and element functions the kernels call.
+// with the same address and element functions the kernels call, and so is the online softmax of the attention
+// forward: every lane of a warp (32 lanes) or wavefront (64, transposed), its row reductions over the
+// header's xor masks, against softmax · V in double.
 #include "support/catch.hpp"
 
 #include <vsa/gpu/arch/lane_layout.hpp>
 
+#include <algorithm>
 #include <array>
+#include <cmath>
+#include <cstring>
+#include <limits>
 #include <random>
 #include <set>
 #include <utility>
@@ -250,13 +256,27 @@ matrix gather(const std::array<std::array<double, Elems>, Lanes>& x, int cols) {
   return m;
 }
 
+// A backend as the kernels see it through warp_mma: the header's element map and row reductions, plus
+// warp_mma's lanes and row slots per lane.
 struct nv_layout {
+  static constexpr int lanes = nv::lanes, rows_per_lane = 2;
+  template <int D> using warp = nv_warp<D>;
+  static int elem_slot(int e) { return nv::elem_slot(e); }
+  static int slot_row(int l, int s) { return nv::slot_row(l, s); }
   static int elem_row(int l, int e) { return nv::elem_row(l, e); }
   static int elem_col(int l, int e) { return nv::elem_col(l, e); }
+  static int row_xor_mask(int step) { return nv::row_xor_mask(step); }
+  static bool row_leader(int l) { return nv::row_leader(l); }
 };
 struct amd_layout {
+  static constexpr int lanes = amd::lanes, rows_per_lane = 1;
+  template <int D> using warp = amd_warp<D>;
+  static int elem_slot(int e) { return amd::elem_slot(e); }
+  static int slot_row(int l, int s) { return amd::slot_row(l, s); }
   static int elem_row(int l, int e) { return amd::elem_row(l, e); }
   static int elem_col(int l, int e) { return amd::elem_col(l, e); }
+  static int row_xor_mask(int step) { return amd::row_xor_mask(step); }
+  static bool row_leader(int l) { return amd::row_leader(l); }
 };
 
 matrix rows_of(const matrix& a, int row0, int n) { return matrix(a.begin() + row0, a.begin() + row0 + n); }
@@ -314,6 +334,264 @@ void check_row_groups(int mask0, int mask1, bool (*leader)(int), int (*slot_of)(
       CHECK(members == 64);
       CHECK(cols.size() == 64);
     }
+}
+
+// ---- the online softmax of attention_forward_kernel, every lane of one warp ----
+//
+// Per lane and row slot the kernel keeps the running maximum m (scaled scores, base 2) and a partial row sum
+// l; row_max combines the lanes of a row each key tile, row_sum only once at the end (the lanes of a row
+// agree on m, so their partial sums share one scale). The replay runs these steps for all lanes at once, in
+// fp32 with exp2 as the kernel does, shfl_xor exchanging values across the whole warp, and nt / nn as the
+// layer models above. P is not rounded to the element type before nn: what is checked here is which lane
+// combines with which and when, not precision.
+
+template <class L> using lane_values = std::array<float, L::lanes>;
+
+// shfl_xor over the whole warp: every lane receives what lane ^ mask held before the exchange.
+template <class L> lane_values<L> shfl_xor(const lane_values<L>& v, int mask) {
+  lane_values<L> r{};
+  for (int l = 0; l < L::lanes; ++l) {
+    REQUIRE((l ^ mask) < L::lanes);
+    r[l] = v[l ^ mask];
+  }
+  return r;
+}
+// warp_mma::row_max and row_sum: xor row_xor_mask(0), then row_xor_mask(1).
+template <class L> lane_values<L> row_max(lane_values<L> v) {
+  for (int step = 0; step < 2; ++step) {
+    const lane_values<L> o = shfl_xor<L>(v, L::row_xor_mask(step));
+    for (int l = 0; l < L::lanes; ++l) v[l] = std::fmax(v[l], o[l]);
+  }
+  return v;
+}
+template <class L> lane_values<L> row_sum(lane_values<L> v) {
+  for (int step = 0; step < 2; ++step) {
+    const lane_values<L> o = shfl_xor<L>(v, L::row_xor_mask(step));
+    for (int l = 0; l < L::lanes; ++l) v[l] = v[l] + o[l];
+  }
+  return v;
+}
+
+// One warp's band (rows row0 … row0 + 15 of a 64-row query tile) against a list of key tiles. Rows at or
+// past q_valid and key rows at or past kv[t] are zero, as copy_tile leaves them. The kernels mask by key
+// column (c < kv[t]) only; here rows are also taken out of whole tiles, so that one band holds rows whose
+// keys are all masked so far (m = -inf: the base = 0 guard, then alpha = 0), rows with a hole in the
+// middle (alpha = 1 on an all-masked tile) and rows that attend nothing (l = 0: o = 0, lse = +inf).
+struct band_problem {
+  int d = 0, row0 = 0, q_valid = 64;
+  float scale = 0.f;
+  matrix q;
+  std::vector<matrix> k, v;
+  std::vector<int> kv;
+  static bool dead(int row) { return row % 7 == 3; }
+  static bool attends(int row, int t) { return !dead(row) && t >= row % 3 && !(t == 2 && row % 5 == 0); }
+};
+
+band_problem random_band(int d, int row0, int q_valid, std::vector<int> kv, std::mt19937& rng) {
+  band_problem b;
+  b.d = d;
+  b.row0 = row0;
+  b.q_valid = q_valid;
+  b.scale = 1.f / (8.f * std::sqrt(float(d))); // scores of the small-integer inputs spread over a few units
+  b.kv = std::move(kv);
+  b.q = random_matrix(64, d, rng);
+  for (int r = q_valid; r < 64; ++r) std::fill(b.q[r].begin(), b.q[r].end(), 0.0);
+  for (int valid : b.kv) {
+    b.k.push_back(random_matrix(64, d, rng));
+    b.v.push_back(random_matrix(64, d, rng));
+    for (int r = valid; r < 64; ++r) {
+      std::fill(b.k.back()[r].begin(), b.k.back()[r].end(), 0.0);
+      std::fill(b.v.back()[r].begin(), b.v.back()[r].end(), 0.0);
+    }
+  }
+  return b;
+}
+
+// The band's output, natural-log lse and, per key tile, the probabilities P.
+struct band_result {
+  matrix o;
+  std::vector<double> lse;
+  std::vector<matrix> p;
+};
+
+// softmax(scale · q kᵀ) · v over every attended key, in double; rows past q_valid or without a key: o = 0,
+// lse = +inf, P = 0.
+band_result reference_band(const band_problem& b) {
+  const size_t tiles = b.k.size();
+  band_result r{matrix(16, std::vector<double>(b.d, 0.0)),
+                std::vector<double>(16, std::numeric_limits<double>::infinity()),
+                std::vector<matrix>(tiles, matrix(16, std::vector<double>(64, 0.0)))};
+  for (int i = 0; i < 16; ++i) {
+    const int row = b.row0 + i;
+    if (row >= b.q_valid) continue;
+    matrix s(tiles, std::vector<double>(64, 0.0));
+    double mx = -std::numeric_limits<double>::infinity();
+    for (size_t t = 0; t < tiles; ++t)
+      for (int c = 0; c < b.kv[t]; ++c) {
+        if (!band_problem::attends(row, int(t))) continue;
+        double x = 0.0;
+        for (int j = 0; j < b.d; ++j) x += b.q[row][j] * b.k[t][c][j];
+        s[t][c] = x * double(b.scale);
+        mx = std::max(mx, s[t][c]);
+      }
+    if (mx == -std::numeric_limits<double>::infinity()) continue;
+    double z = 0.0;
+    for (size_t t = 0; t < tiles; ++t)
+      for (int c = 0; c < b.kv[t]; ++c)
+        if (band_problem::attends(row, int(t))) z += std::exp(s[t][c] - mx);
+    for (size_t t = 0; t < tiles; ++t)
+      for (int c = 0; c < b.kv[t]; ++c) {
+        if (!band_problem::attends(row, int(t))) continue;
+        const double pr = std::exp(s[t][c] - mx) / z;
+        r.p[t][i][c] = pr;
+        for (int j = 0; j < b.d; ++j) r.o[i][j] += pr * b.v[t][c][j];
+      }
+    r.lse[i] = mx + std::log(z);
+  }
+  return r;
+}
+
+// attention_forward_kernel's loop and epilogue for one warp, then the dq kernel's recomputation of P from
+// the lse of each lane's rows.
+template <class L, int D> band_result replay_band(const band_problem& b) {
+  using W = typename L::template warp<D>;
+  constexpr int R = L::rows_per_lane;
+  constexpr float inf = std::numeric_limits<float>::infinity(), log2e = 1.4426950408889634f;
+  using slots = std::array<std::array<float, R>, L::lanes>;
+  const float scale_log2 = b.scale * log2e;
+  const size_t tiles = b.k.size();
+  for (int e = 0; e < W::score_elems; ++e) REQUIRE(L::elem_slot(e) < R);
+
+  slots m{}, l{};
+  for (auto& x : m) x.fill(-inf);
+  typename W::out o{};
+  for (size_t t = 0; t < tiles; ++t) {
+    typename W::score s{};
+    W::nt(s, b.q, b.row0, b.k[t]);
+    std::array<std::array<float, W::score_elems>, L::lanes> x{};
+    slots mx{}, base{}, alpha{}, sum{};
+    for (auto& y : mx) y.fill(-inf);
+    for (int ln = 0; ln < L::lanes; ++ln)
+      for (int e = 0; e < W::score_elems; ++e) {
+        const int row = b.row0 + L::elem_row(ln, e), col = L::elem_col(ln, e);
+        const bool keep = col < b.kv[t] && band_problem::attends(row, int(t));
+        x[ln][e] = keep ? float(s[ln][e]) * scale_log2 : -inf;
+        float& mr = mx[ln][L::elem_slot(e)];
+        mr = std::fmax(mr, x[ln][e]);
+      }
+    for (int r = 0; r < R; ++r) {
+      lane_values<L> v{};
+      for (int ln = 0; ln < L::lanes; ++ln) v[ln] = mx[ln][r];
+      v = row_max<L>(v);
+      for (int ln = 0; ln < L::lanes; ++ln) {
+        const float mnew = std::fmax(m[ln][r], v[ln]);
+        base[ln][r] = mnew == -inf ? 0.f : mnew;
+        alpha[ln][r] = std::exp2(m[ln][r] - base[ln][r]);
+        m[ln][r] = mnew;
+      }
+    }
+    typename W::score pr{};
+    for (int ln = 0; ln < L::lanes; ++ln)
+      for (int e = 0; e < W::score_elems; ++e) {
+        const float y = std::exp2(x[ln][e] - base[ln][L::elem_slot(e)]);
+        sum[ln][L::elem_slot(e)] += y;
+        pr[ln][e] = y;
+      }
+    for (int ln = 0; ln < L::lanes; ++ln) {
+      for (int r = 0; r < R; ++r) l[ln][r] = l[ln][r] * alpha[ln][r] + sum[ln][r];
+      for (int e = 0; e < W::out_elems; ++e) o[ln][e] *= alpha[ln][L::elem_slot(e)];
+    }
+    W::nn(o, pr, b.v[t]);
+  }
+
+  // Epilogue: one reduction of the partial sums; every lane of a row must hold the same m and total, and
+  // exactly one of them (the row leader) writes the row's lse.
+  band_result res{matrix(), std::vector<double>(16, std::nan("")), {}};
+  std::vector<int> writes(16, 0);
+  std::vector<float> row_m(16, std::nanf("")), row_total(16, std::nanf(""));
+  slots inv{};
+  for (int r = 0; r < R; ++r) {
+    lane_values<L> v{};
+    for (int ln = 0; ln < L::lanes; ++ln) v[ln] = l[ln][r];
+    const lane_values<L> total = row_sum<L>(v);
+    for (int ln = 0; ln < L::lanes; ++ln) {
+      const int i = L::slot_row(ln, r), row = b.row0 + i;
+      REQUIRE(i >= 0);
+      REQUIRE(i < 16);
+      if (std::isnan(row_total[i])) {
+        row_m[i] = m[ln][r];
+        row_total[i] = total[ln];
+      }
+      CHECK(std::memcmp(&row_m[i], &m[ln][r], sizeof(float)) == 0);
+      CHECK(std::memcmp(&row_total[i], &total[ln], sizeof(float)) == 0);
+      const bool live = row < b.q_valid && total[ln] > 0.f;
+      inv[ln][r] = live ? 1.f / total[ln] : 0.f;
+      if (L::row_leader(ln)) {
+        res.lse[i] = live ? (m[ln][r] + std::log2(total[ln])) * 0.6931471805599453f : inf;
+        ++writes[i];
+      }
+    }
+  }
+  for (int n : writes) CHECK(n == 1);
+  for (int ln = 0; ln < L::lanes; ++ln)
+    for (int e = 0; e < W::out_elems; ++e) o[ln][e] *= inv[ln][L::elem_slot(e)];
+  res.o = gather<L>(o, D);
+
+  // The backward kernels mask by key column only and read the lse of each lane's row slots: rows without
+  // a key and padding rows must get P = 0 from lse = +inf alone.
+  slots lse2{};
+  for (int ln = 0; ln < L::lanes; ++ln)
+    for (int r = 0; r < R; ++r) {
+      const int i = L::slot_row(ln, r);
+      lse2[ln][r] = b.row0 + i < b.q_valid ? float(res.lse[i]) * log2e : inf;
+    }
+  for (size_t t = 0; t < tiles; ++t) {
+    typename W::score s{}, pr{};
+    W::nt(s, b.q, b.row0, b.k[t]);
+    for (int ln = 0; ln < L::lanes; ++ln)
+      for (int e = 0; e < W::score_elems; ++e) {
+        const int row = b.row0 + L::elem_row(ln, e), col = L::elem_col(ln, e);
+        const bool keep =
+            col < b.kv[t] && (band_problem::attends(row, int(t)) || band_problem::dead(row) || row >= b.q_valid);
+        pr[ln][e] = keep ? std::exp2(float(s[ln][e]) * scale_log2 - lse2[ln][L::elem_slot(e)]) : 0.f;
+      }
+    res.p.push_back(gather<L>(pr, 64));
+  }
+  return res;
+}
+
+// Outputs within fp32 rounding of the reference; rows without a key exactly 0 and +inf.
+void check_band(const band_result& got, const band_result& want) {
+  for (int i = 0; i < 16; ++i) {
+    INFO("band row " << i);
+    if (std::isinf(want.lse[i])) {
+      CHECK(got.lse[i] == want.lse[i]);
+      for (double x : got.o[i]) CHECK(x == 0.0);
+    } else {
+      CHECK(std::fabs(got.lse[i] - want.lse[i]) <= 1e-5 * (1.0 + std::fabs(want.lse[i])));
+      for (size_t j = 0; j < got.o[i].size(); ++j) CHECK(std::fabs(got.o[i][j] - want.o[i][j]) <= 1e-4);
+    }
+    for (size_t t = 0; t < want.p.size(); ++t)
+      for (int c = 0; c < 64; ++c) {
+        if (want.p[t][i][c] == 0.0)
+          CHECK(got.p[t][i][c] == 0.0);
+        else
+          CHECK(std::fabs(got.p[t][i][c] - want.p[t][i][c]) <= 1e-5);
+      }
+  }
+}
+
+// Every band of a query tile, full and partial, against key tiles with partial valid counts, and with no
+// key tile at all.
+template <class L, int D> void online_softmax(std::mt19937& rng) {
+  const std::vector<std::vector<int>> lists = {{64, 37, 64, 9}, {5, 64}, {}};
+  for (const auto& kv : lists)
+    for (int q_valid : {64, 50, 1})
+      for (int row0 = 0; row0 < 64; row0 += 16) {
+        INFO("D " << D << ", " << kv.size() << " key tiles, q_valid " << q_valid << ", row0 " << row0);
+        const band_problem b = random_band(D, row0, q_valid, kv, rng);
+        check_band(replay_band<L, D>(b), reference_band(b));
+      }
 }
 
 } // namespace
@@ -424,4 +702,17 @@ TEST_CASE("amd lane layout: row reductions over xor 16, 32", "[cpu]") {
   check_row_groups<amd_layout, 64, 16, 1>(
       amd::row_xor_mask(0), amd::row_xor_mask(1), [](int l) { return amd::row_leader(l); },
       [](int e) { return amd::elem_slot(e); }, [](int l, int s) { return amd::slot_row(l, s); });
+}
+
+TEST_CASE("nvidia lane layout: online softmax of every lane against softmax · V in double", "[cpu]") {
+  std::mt19937 rng(19);
+  online_softmax<nv_layout, 64>(rng);
+  online_softmax<nv_layout, 128>(rng);
+}
+
+TEST_CASE("amd lane layout: online softmax of every lane, computed transposed, against softmax · V in double",
+          "[cpu]") {
+  std::mt19937 rng(23);
+  online_softmax<amd_layout, 64>(rng);
+  online_softmax<amd_layout, 128>(rng);
 }

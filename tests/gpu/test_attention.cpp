@@ -1,6 +1,7 @@
 // Sparse attention (stage 6), coarse attention (stage 3) and the whole op on the GPU against the CPU
 // reference, forward and backward, on fresh random problems with partial tiles, GQA, both layouts, bf16
-// and fp16, k = 1 and k = N; outputs poisoned before every call and checked fully written.
+// and fp16, k = 1 and k = N; outputs poisoned before every call and checked fully written. The whole op
+// is also checked bitwise reproducible across runs and across streams, concurrent ones included.
 #include "support/gpu.hpp"
 #include "support/host.hpp"
 
@@ -11,6 +12,8 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <string>
+#include <utility>
 #include <vector>
 
 namespace vsa {
@@ -465,6 +468,130 @@ TEST_CASE("the whole op with k = N and k = 1", "[gpu][op]") {
     REQUIRE(reference::forward(p, opt, rio, rws.data(), rbytes).is_ok());
     CHECK(error_of(o, o_ref) < tolerance);
   }
+}
+
+// One forward + backward of the whole op: its outputs, poisoned, and its own workspace, filled with `fill`
+// (runs fill it differently, so that a result depending on what an earlier run left there shows up).
+struct op_run {
+  device_tensor o, dq, dk, dv, dgate;
+  device_buffer ws;
+  op_run(const host_tensor& shape_q, const host_tensor& shape_kv, std::size_t bytes, unsigned char fill)
+      : o(shape_q, poisoned), dq(shape_q, poisoned), dk(shape_kv, poisoned), dv(shape_kv, poisoned),
+        dgate(shape_q, poisoned), ws(bytes) {
+    ws.fill(fill);
+  }
+  std::vector<const device_tensor*> outputs() const { return {&o, &dq, &dk, &dv, &dgate}; }
+};
+
+TEST_CASE("the whole op is bitwise reproducible across runs and streams", "[gpu][op]") {
+  const config c{{9, 10, 11}, 2, 4, 2, 128, dtype::bf16, layout::bshd};
+  const problem p = to_problem(c);
+  VSA_TEST_RNG(g, "op-streams");
+  INFO(describe(c));
+  const int64_t tokens = tile_geometry(p.grid).tiled_tokens();
+  options opt{};
+  opt.sparsity = 0.6;
+  const host_tensor q = tiled_input(c, p.q_heads, g), k = tiled_input(c, p.kv_heads, g),
+                    v = tiled_input(c, p.kv_heads, g), d_o = tiled_input(c, p.q_heads, g),
+                    gate = tiled_input(c, p.q_heads, g);
+  const device_tensor dq_in(q), dk_in(k), dv_in(v), ddo(d_o), dgate_in(gate);
+  const host_tensor shape_q(c.type, c.batch, tokens, p.q_heads, c.head_dim, c.order),
+      shape_kv(c.type, c.batch, tokens, p.kv_heads, c.head_dim, c.order);
+  std::size_t fbytes = 0, bytes = 0;
+  REQUIRE(forward(p, opt, forward_io{}, nullptr, fbytes, nullptr).is_ok());
+  REQUIRE(backward(p, opt, backward_io{}, nullptr, bytes, nullptr).is_ok());
+  REQUIRE(bytes >= fbytes); // one workspace serves both: the backward reads what the forward left in it
+
+  const auto run_forward = [&](op_run& r, gpu::stream_t s) {
+    const forward_io io{dq_in.cview(), dk_in.cview(), dv_in.cview(), dgate_in.cview(), r.o.view()};
+    std::size_t n = r.ws.bytes();
+    const status st = forward(p, opt, io, r.ws.get(), n, s);
+    INFO(st.message());
+    REQUIRE(st.is_ok());
+  };
+  const auto run_backward = [&](op_run& r, gpu::stream_t s) {
+    const backward_io io{dq_in.cview(), dk_in.cview(), dv_in.cview(), dgate_in.cview(), r.o.cview(),
+                         ddo.cview(),   r.dq.view(),   r.dk.view(),   r.dv.view(),      r.dgate.view()};
+    std::size_t n = r.ws.bytes();
+    const status st = backward(p, opt, io, r.ws.get(), n, s);
+    INFO(st.message());
+    REQUIRE(st.is_ok());
+  };
+
+  // Every output of every run, as bytes: o, dq, dk, dv, dgate.
+  const char* const output_names[] = {"o", "dq", "dk", "dv", "dgate"};
+  std::vector<std::string> run_names;
+  std::vector<std::vector<std::vector<unsigned char>>> results;
+  const auto collect = [&](const op_run& r, const char* name) {
+    INFO(name);
+    std::vector<std::vector<unsigned char>> bytes_of;
+    for (const device_tensor* t : r.outputs()) {
+      CHECK(t->all_written());
+      CHECK(t->canaries_intact());
+      bytes_of.push_back(t->download().bytes);
+    }
+    CHECK(r.ws.canaries_intact());
+    run_names.push_back(name);
+    results.push_back(std::move(bytes_of));
+  };
+
+  // The null stream, twice.
+  for (const unsigned char fill : {poison_byte, static_cast<unsigned char>(0x00)}) {
+    op_run r(shape_q, shape_kv, bytes, fill);
+    run_forward(r, nullptr);
+    run_backward(r, nullptr);
+    VSA_REQUIRE_RT(gpu_sync());
+    collect(r, fill == poison_byte ? "null stream" : "null stream, again");
+  }
+
+  // Two non-blocking streams, each alone. They do not wait for the null stream, on which the synchronous
+  // copies that poison the outputs ran: the device is synchronized before anything is launched on them.
+  device_stream s1, s2;
+  {
+    op_run r(shape_q, shape_kv, bytes, 0x5a);
+    VSA_REQUIRE_RT(gpu_sync());
+    run_forward(r, s1.get());
+    run_backward(r, s1.get());
+    VSA_REQUIRE_RT(s1.sync());
+    collect(r, "stream 1");
+  }
+  {
+    op_run r(shape_q, shape_kv, bytes, 0xa5);
+    VSA_REQUIRE_RT(gpu_sync());
+    run_forward(r, s2.get());
+    run_backward(r, s2.get());
+    VSA_REQUIRE_RT(s2.sync());
+    collect(r, "stream 2");
+  }
+
+  // Both streams at once, separate outputs and workspaces: every launch is queued before either stream is
+  // waited for, forwards and backwards interleaved so that the two runs overlap on the device.
+  {
+    op_run a(shape_q, shape_kv, bytes, 0x3c), b(shape_q, shape_kv, bytes, 0xc3);
+    VSA_REQUIRE_RT(gpu_sync());
+    run_forward(a, s1.get());
+    run_forward(b, s2.get());
+    run_backward(a, s1.get());
+    run_backward(b, s2.get());
+    VSA_REQUIRE_RT(s1.sync());
+    VSA_REQUIRE_RT(s2.sync());
+    collect(a, "stream 1, concurrent with stream 2");
+    collect(b, "stream 2, concurrent with stream 1");
+  }
+  VSA_REQUIRE_RT(s1.destroy());
+  VSA_REQUIRE_RT(s2.destroy());
+
+  REQUIRE(results.size() == 6);
+  for (std::size_t i = 1; i < results.size(); ++i)
+    for (std::size_t t = 0; t < results[i].size(); ++t) {
+      INFO(output_names[t] << ": " << run_names[i] << " against " << run_names[0]);
+      const std::vector<unsigned char>& got = results[i][t];
+      const std::vector<unsigned char>& first = results[0][t];
+      REQUIRE(got.size() == first.size());
+      int64_t differ = 0; // a count, not the vectors: Catch would print megabytes
+      for (std::size_t e = 0; e < got.size(); ++e) differ += got[e] != first[e] ? 1 : 0;
+      CHECK(differ == 0);
+    }
 }
 
 } // namespace

@@ -1,24 +1,30 @@
 // The warp-level matrix layer on the real matrix instructions: nt (S = A·Bᵀ) and nn (O = S·C, S rounded to
 // the element type) of one 64-row tile, every element placed through the layer's own lane layout
 // (lane_layout.hpp), against a plain product on the host. The CPU model of the same layouts is checked in
-// tests/cpu/test_lane_layout.cpp; this test is what ties that model to the hardware.
+// tests/cpu/test_lane_layout.cpp; this test is what ties that model to the hardware. It runs both backends
+// the attention kernels may take: warp_mma everywhere, and the layer they actually get (attention_mma: the
+// wgmma backend when the device code is Hopper's), including nt with both operands in shared memory.
 #include "support/gpu.hpp"
 #include "support/host.hpp"
 
 #include <vsa/gpu/arch/matrix.hpp>
 
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace vsa {
 namespace test {
 namespace {
 
-template <class E, int D> __global__ void matrix_probe_kernel(const uint16_t* a, const uint16_t* b, const uint16_t* c,
-                                                              float* s_out, float* o_out) {
-  using M = gpu::warp_mma<E, D>;
+// Backend is chosen inside the kernel: attention_mma names a different type in the host and device passes,
+// so it cannot be a template argument of a kernel.
+template <class E, int D, bool Attention> __global__ void matrix_probe_kernel(const uint16_t* a, const uint16_t* b,
+                                                                              const uint16_t* c, float* s_out,
+                                                                              float* s2_out, float* o_out) {
+  using M = std::conditional_t<Attention, gpu::attention_mma<E, D>, gpu::warp_mma<E, D>>;
   extern __shared__ uint4 smem_raw[];
-  uint16_t* sm = reinterpret_cast<uint16_t*>(smem_raw);
+  uint16_t* sm = gpu::aligned_smem(smem_raw);
   const gpu::smem_tile<D> ta{sm}, tb{sm + 64 * D}, tc{sm + 2 * 64 * D};
   const int tid = threadIdx.x, nthreads = blockDim.x;
   gpu::copy_tile(ta, a, D, 64, tid, nthreads);
@@ -28,33 +34,43 @@ template <class E, int D> __global__ void matrix_probe_kernel(const uint16_t* a,
   gpu::copy_wait<0>();
   __syncthreads();
   const int row0 = (tid / M::threads) * 16;
-  typename M::row_frag f;
-  M::load_rows(f, ta, row0);
-  typename M::score_tile s;
-  for (int e = 0; e < M::score_elems; ++e) s.x[e] = 0.f;
-  M::nt(s, f, tb);
+  // nt with A from registers where the backend offers it, and with A from shared memory.
+  typename M::score_tile s, s2;
+  for (int e = 0; e < M::score_elems; ++e) s.x[e] = 0.f, s2.x[e] = 0.f;
+  M::nt(s2, ta, row0, tb);
+  if constexpr (M::rows_in_registers) {
+    typename M::row_frag f;
+    M::load_rows(f, ta, row0);
+    M::nt(s, f, tb);
+  } else {
+    s = s2;
+  }
   for (int e = 0; e < M::score_elems; ++e) s_out[(row0 + M::elem_row(e)) * 64 + M::elem_col(e)] = s.x[e];
+  for (int e = 0; e < M::score_elems; ++e) s2_out[(row0 + M::elem_row(e)) * 64 + M::elem_col(e)] = s2.x[e];
   typename M::out_tile o;
   for (int e = 0; e < M::out_elems; ++e) o.x[e] = 0.f;
   M::nn(o, s, tc);
   for (int e = 0; e < M::out_elems; ++e) o_out[(row0 + M::elem_row(e)) * D + M::elem_col(e)] = o.x[e];
 }
 
-template <class E, int D> void probe(dtype t) {
+template <class E, int D, bool Attention> void probe(dtype t) {
   VSA_TEST_RNG(g, "matrix-layer");
-  INFO(dtype_name(t) << " D " << D);
+  INFO(dtype_name(t) << " D " << D << (Attention ? " attention_mma" : " warp_mma"));
   std::vector<uint16_t> a(64 * D), b(64 * D), c(64 * D);
   for (auto* m : {&a, &b, &c})
     for (auto& x : *m) store(&x, 0, g.normal(), t);
-  device_buffer da = upload(a), db = upload(b), dc = upload(c), ds(64 * 64 * 4), dout(64 * D * 4);
+  device_buffer da = upload(a), db = upload(b), dc = upload(c), ds(64 * 64 * 4), ds2(64 * 64 * 4), dout(64 * D * 4);
   ds.poison();
+  ds2.poison();
   dout.poison();
-  const int threads = 4 * gpu::warp_mma<E, D>::threads, smem = 3 * 64 * D * 2;
-  matrix_probe_kernel<E, D>
-      <<<1, threads, smem>>>(da.as<uint16_t>(), db.as<uint16_t>(), dc.as<uint16_t>(), ds.as<float>(), dout.as<float>());
+  const int threads = 4 * gpu::warp_mma<E, D>::threads, smem = 3 * 64 * D * 2 + gpu::smem_slack;
+  const auto kernel = matrix_probe_kernel<E, D, Attention>;
+  VSA_REQUIRE_RT(gpu::allow_dynamic_shared(kernel, smem));
+  kernel<<<1, threads, smem>>>(da.as<uint16_t>(), db.as<uint16_t>(), dc.as<uint16_t>(), ds.as<float>(), ds2.as<float>(),
+                               dout.as<float>());
   VSA_REQUIRE_RT(gpu::last_error());
   VSA_REQUIRE_RT(gpu_sync());
-  const std::vector<float> s = ds.download<float>(), o = dout.download<float>();
+  const std::vector<float> s = ds.download<float>(), s2 = ds2.download<float>(), o = dout.download<float>();
   // S = A·Bᵀ in double from the 16-bit inputs: fp32 accumulation of exact products stays within ~1e-6.
   std::vector<double> s_ref(64 * 64), s_gpu(s.begin(), s.end());
   for (int i = 0; i < 64; ++i)
@@ -64,6 +80,8 @@ template <class E, int D> void probe(dtype t) {
       s_ref[i * 64 + j] = acc;
     }
   CHECK(rel_error(s_gpu, s_ref) < 1e-5);
+  const std::vector<double> s2_gpu(s2.begin(), s2.end());
+  CHECK(rel_error(s2_gpu, s_ref) < 1e-5);
   // O = S·C with S rounded to the element type as the layer does; built from the GPU's own S.
   std::vector<double> o_ref(64 * D), o_gpu(o.begin(), o.end());
   for (int i = 0; i < 64; ++i)
@@ -74,14 +92,19 @@ template <class E, int D> void probe(dtype t) {
     }
   CHECK(rel_error(o_gpu, o_ref) < 1e-5);
   CHECK(ds.canaries_intact());
+  CHECK(ds2.canaries_intact());
   CHECK(dout.canaries_intact());
 }
 
 TEST_CASE("the matrix layer computes A·Bᵀ and S·C on the real instructions", "[gpu][matrix]") {
-  probe<gpu::bf16_type, 64>(dtype::bf16);
-  probe<gpu::bf16_type, 128>(dtype::bf16);
-  probe<gpu::fp16_type, 64>(dtype::fp16);
-  probe<gpu::fp16_type, 128>(dtype::fp16);
+  probe<gpu::bf16_type, 64, false>(dtype::bf16);
+  probe<gpu::bf16_type, 128, false>(dtype::bf16);
+  probe<gpu::fp16_type, 64, false>(dtype::fp16);
+  probe<gpu::fp16_type, 128, false>(dtype::fp16);
+  probe<gpu::bf16_type, 64, true>(dtype::bf16);
+  probe<gpu::bf16_type, 128, true>(dtype::bf16);
+  probe<gpu::fp16_type, 64, true>(dtype::fp16);
+  probe<gpu::fp16_type, 128, true>(dtype::fp16);
 }
 
 } // namespace

@@ -1,6 +1,6 @@
-// Device-side test helpers shared by every GPU test: runtime calls checked with REQUIRE, device buffers that
-// free themselves and carry canary bytes on both sides, poisoning of outputs before a call, and checks
-// afterwards that every element was written and nothing around the buffer was touched.
+// Device-side test helpers shared by every GPU test: runtime calls checked with REQUIRE, streams and device
+// buffers that free themselves, canary bytes on both sides of every buffer, poisoning of outputs before a
+// call, and checks afterwards that every element was written and nothing around the buffer was touched.
 //
 // Allocation happens here, in the tests, never in the library.
 #pragma once
@@ -34,6 +34,11 @@ inline gpu::error_t copy_device_to_device(void* dst, const void* src, std::size_
   return hipMemcpy(dst, src, n, hipMemcpyDeviceToDevice);
 }
 inline gpu::error_t gpu_sync() { return hipDeviceSynchronize(); }
+inline gpu::error_t stream_create_non_blocking(gpu::stream_t* s) {
+  return hipStreamCreateWithFlags(s, hipStreamNonBlocking);
+}
+inline gpu::error_t stream_destroy(gpu::stream_t s) { return hipStreamDestroy(s); }
+inline gpu::error_t stream_sync(gpu::stream_t s) { return hipStreamSynchronize(s); }
 #else
 inline gpu::error_t device_malloc(void** p, std::size_t n) { return cudaMalloc(p, n); }
 inline gpu::error_t device_free(void* p) { return cudaFree(p); }
@@ -47,6 +52,11 @@ inline gpu::error_t copy_device_to_device(void* dst, const void* src, std::size_
   return cudaMemcpy(dst, src, n, cudaMemcpyDeviceToDevice);
 }
 inline gpu::error_t gpu_sync() { return cudaDeviceSynchronize(); }
+inline gpu::error_t stream_create_non_blocking(gpu::stream_t* s) {
+  return cudaStreamCreateWithFlags(s, cudaStreamNonBlocking);
+}
+inline gpu::error_t stream_destroy(gpu::stream_t s) { return cudaStreamDestroy(s); }
+inline gpu::error_t stream_sync(gpu::stream_t s) { return cudaStreamSynchronize(s); }
 #endif
 
 // REQUIREs a runtime call to succeed, naming the call and the runtime's message when it does not.
@@ -152,6 +162,29 @@ private:
   unsigned char* raw_ = nullptr;  // what the allocator returned
   unsigned char* base_ = nullptr; // the first canary zone, 256-byte aligned
   std::size_t bytes_ = 0;
+};
+
+// A stream created non-blocking (it does not wait for, nor hold up, the null stream), destroyed on
+// destruction. destroy() hands back the runtime's answer, for tests that check it.
+class device_stream {
+public:
+  device_stream() { VSA_REQUIRE_RT(stream_create_non_blocking(&stream_)); }
+  device_stream(const device_stream&) = delete;
+  device_stream& operator=(const device_stream&) = delete;
+  ~device_stream() {
+    if (stream_ != nullptr) (void)stream_destroy(stream_);
+  }
+
+  gpu::stream_t get() const { return stream_; }
+  gpu::error_t sync() const { return stream_sync(stream_); }
+  gpu::error_t destroy() {
+    const gpu::stream_t s = stream_;
+    stream_ = nullptr;
+    return s == nullptr ? gpu::success : stream_destroy(s);
+  }
+
+private:
+  gpu::stream_t stream_ = nullptr;
 };
 
 template <class T> device_buffer upload(const std::vector<T>& host) {

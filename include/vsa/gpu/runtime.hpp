@@ -42,6 +42,11 @@ inline error_t multiprocessor_count(int* n, int device) {
 template <class Kernel> error_t allow_dynamic_shared(Kernel k, int bytes) {
   return hipFuncSetAttribute(reinterpret_cast<const void*>(k), hipFuncAttributeMaxDynamicSharedMemorySize, bytes);
 }
+// Compute capability (major·10 + minor) of the machine code a kernel runs as; 0 where not meaningful (AMD).
+template <class Kernel> error_t kernel_binary_version(Kernel, int* v) {
+  *v = 0;
+  return hipSuccess;
+}
 #else
 using stream_t = cudaStream_t;
 using error_t = cudaError_t;
@@ -56,6 +61,12 @@ inline error_t multiprocessor_count(int* n, int device) {
 }
 template <class Kernel> error_t allow_dynamic_shared(Kernel k, int bytes) {
   return cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+}
+template <class Kernel> error_t kernel_binary_version(Kernel k, int* v) {
+  cudaFuncAttributes a{};
+  const cudaError_t e = cudaFuncGetAttributes(&a, k);
+  *v = e == cudaSuccess ? a.binaryVersion : 0;
+  return e;
 }
 #endif
 

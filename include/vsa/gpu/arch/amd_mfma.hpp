@@ -23,6 +23,8 @@ template <class E, int D> struct warp_mma {
   static constexpr int score_elems = 16; // 16 × 64 fp32 over 64 lanes
   static constexpr int out_elems = D / 4;
   static constexpr int rows_per_lane = 1;
+  // The band's rows of a loop-invariant operand (Q in the forward) can be loaded into registers once.
+  static constexpr bool rows_in_registers = true;
 
   typedef short short4_t __attribute__((ext_vector_type(4)));
   typedef _Float16 half4_t __attribute__((ext_vector_type(4)));

@@ -5,11 +5,14 @@
 //                                      elem_row(e), elem_col(e), elem_slot(e) (which of the lane's rows)
 //   row_max / row_sum                  reductions over the lanes that share a row
 //   row_frag, load_rows                the band's 16 rows of a shared tile, held as matrix operands
-//   nt(s, a, b)                        s += a · bᵀ  (a: the band's rows, b: a 64-row shared tile)
+//   rows_in_registers                  whether a loop-invariant row_frag may be kept (else nt from shared)
+//   nt(s, a, b), nt(s, ta, row0, b)    s += a · bᵀ  (a: the band's rows, in registers or rows row0.. of
+//                                      shared tile ta; b: a 64-row shared tile)
 //   nn(o, p, b)                        o += p · b   (p: a score tile, b: a 64-row shared tile)
 //
-// plus the global-to-shared tile copy. The algorithm never sees a lane layout: a Hopper mainloop can sit
-// beside these without touching it.
+// plus the global-to-shared tile copy. The algorithm never sees a lane layout. The attention kernels take
+// attention_mma<E, D>: on Hopper (device code compiled for sm_90a) that is the warpgroup backend of
+// hopper_wgmma.hpp, whose nt and nn read shared tiles through wgmma descriptors; elsewhere warp_mma.
 #pragma once
 
 #include "smem_tile.hpp"
@@ -17,10 +20,20 @@
 #include "amd_mfma.hpp"
 #else
 #include "nvidia_mma.hpp"
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define VSA_WGMMA 1
+#include "hopper_wgmma.hpp"
+#endif
 #endif
 
 namespace vsa {
 namespace gpu {
+
+#if VSA_WGMMA
+template <class E, int D> using attention_mma = warpgroup_mma<E, D>;
+#else
+template <class E, int D> using attention_mma = warp_mma<E, D>;
+#endif
 
 // Copies the 64 rows of a [rows, D] tile from global memory (row r at src + r·row_stride) into a shared
 // tile, 16 bytes a thread at a time; rows at or past `valid` are zero-filled so that padding slots hold no
@@ -50,9 +63,14 @@ __device__ __forceinline__ void copy_commit() {
   asm volatile("cp.async.commit_group;");
 #endif
 }
+// On Hopper the tiles are then read by wgmma, which goes through the async proxy: the proxy fence makes
+// this thread's completed copies visible to it (the barrier that follows does so for the other threads').
 template <int N> __device__ __forceinline__ void copy_wait() {
 #if VSA_PLATFORM_NVIDIA
-  asm volatile("cp.async.wait_group %0;" ::"n"(N));
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+#if VSA_WGMMA
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 #endif
 }
 

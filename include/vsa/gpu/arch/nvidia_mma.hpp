@@ -21,6 +21,8 @@ template <class E, int D> struct warp_mma {
   static constexpr int score_elems = 32;  // 16 × 64 fp32 over 32 lanes
   static constexpr int out_elems = D / 2; // 16 × D fp32 over 32 lanes
   static constexpr int rows_per_lane = 2;
+  // The band's rows of a loop-invariant operand (Q in the forward) can be loaded into registers once.
+  static constexpr bool rows_in_registers = true;
 
   struct score_tile {
     float x[score_elems];

@@ -62,14 +62,14 @@ __device__ __forceinline__ void store_band(const typename M::out_tile& acc, floa
 
 template <class E, int D, class Sched> __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads))
     attention_dq_kernel(backward_params p, Sched s) {
-  using M = warp_mma<E, D>;
+  using M = attention_mma<E, D>;
   constexpr int nthreads = 4 * M::threads;
   constexpr int R = M::rows_per_lane;
   constexpr float log2e = 1.4426950408889634f;
-  constexpr int stages = smem_plan<D>::backward_stages;
+  constexpr int stages = smem_plan<D>::backward_stages(hopper_code);
 
   extern __shared__ uint4 smem_raw[];
-  uint16_t* sm = reinterpret_cast<uint16_t*>(smem_raw);
+  uint16_t* sm = aligned_smem(smem_raw);
   const smem_tile<D> sq{sm}, sdo{sm + 64 * D};
   const auto sk = [&](int buf) { return smem_tile<D>{sm + (2 + 2 * buf) * 64 * D}; };
   const auto sv = [&](int buf) { return smem_tile<D>{sm + (3 + 2 * buf) * 64 * D}; };
@@ -143,14 +143,14 @@ template <class E, int D, class Sched> __global__ void __launch_bounds__((4 * wa
 
 template <class E, int D, class Sched> __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads))
     attention_dkdv_kernel(backward_params p, Sched s) {
-  using M = warp_mma<E, D>;
+  using M = attention_mma<E, D>;
   constexpr int nthreads = 4 * M::threads;
   constexpr float log2e = 1.4426950408889634f;
-  constexpr int stages = smem_plan<D>::backward_stages;
-  constexpr bool stats_in_smem = smem_plan<D>::stats_in_smem;
+  constexpr int stages = smem_plan<D>::backward_stages(hopper_code);
+  constexpr bool stats_in_smem = smem_plan<D>::stats_in_smem(hopper_code);
 
   extern __shared__ uint4 smem_raw[];
-  uint16_t* sm = reinterpret_cast<uint16_t*>(smem_raw);
+  uint16_t* sm = aligned_smem(smem_raw);
   const smem_tile<D> sk{sm}, sv{sm + 64 * D};
   const auto sq = [&](int buf) { return smem_tile<D>{sm + (2 + 2 * buf) * 64 * D}; };
   const auto sdo = [&](int buf) { return smem_tile<D>{sm + (3 + 2 * buf) * 64 * D}; };

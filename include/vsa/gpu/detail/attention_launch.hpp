@@ -35,8 +35,13 @@ template <class E, int D, class Sched>
 status launch_forward(const forward_params& fp, const Sched& s, int64_t batch, int64_t heads, stream_t stream) {
   using M = warp_mma<E, D>;
   const auto kernel = attention_forward_kernel<E, D, Sched>;
-  constexpr int smem = smem_plan<D>::forward_bytes;
-  status st = prepare(kernel, smem);
+  // The pipeline, and so the shared memory, depends on whether the kernel runs as Hopper code (sm_90 and
+  // later, forward_pipeline): the host learns that from the binary version of the code it runs as.
+  int version = 0;
+  status st = runtime_status(kernel_binary_version(kernel, &version), "querying the attention kernel");
+  if (!st) return st;
+  const int smem = smem_plan<D>::forward_bytes(version >= 90, Sched::few_blocks);
+  st = prepare(kernel, smem);
   if (!st) return st;
   const dim3 grid(static_cast<unsigned>(s.tiles), static_cast<unsigned>(heads), static_cast<unsigned>(batch));
   kernel<<<grid, 4 * M::threads, smem, stream>>>(fp, s);
@@ -68,10 +73,13 @@ inline status launch_order(const order_params& op, stream_t stream) {
 template <class E, int D, class Sched> status launch_backward(const backward_params& bp, const Sched& q_sched,
                                                               const Sched& k_sched, int64_t batch, stream_t stream) {
   using M = warp_mma<E, D>;
-  constexpr int smem = smem_plan<D>::backward_bytes;
   const auto dq_kernel = attention_dq_kernel<E, D, Sched>;
   const auto dkdv_kernel = attention_dkdv_kernel<E, D, Sched>;
-  status st = prepare(dq_kernel, smem);
+  int version = 0; // as in launch_forward: the stages depend on whether the code is Hopper's
+  status st = runtime_status(kernel_binary_version(dq_kernel, &version), "querying the attention kernel");
+  if (!st) return st;
+  const int smem = smem_plan<D>::backward_bytes(version >= 90);
+  st = prepare(dq_kernel, smem);
   if (st) st = prepare(dkdv_kernel, smem);
   if (!st) return st;
   const dim3 qgrid(static_cast<unsigned>(q_sched.tiles), static_cast<unsigned>(bp.q_heads),

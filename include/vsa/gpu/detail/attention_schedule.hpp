@@ -32,6 +32,7 @@ inline operand make_dense_operand(const void* data, int64_t heads, int64_t rows,
 
 struct sparse_schedule {
   static constexpr bool has_padding_rows = true; // tiled tensors hold all 64 slots of every tile
+  static constexpr bool few_blocks = false;      // a block per query tile and head: many waves
   tile_geometry geo;
   const int32_t* list;   // q2k rows (forward, dq) or packed k2q lists (dk, dv)
   const int32_t* count;  // q2k_count, or null when offsets are used
@@ -69,6 +70,7 @@ private:
 
 struct dense_schedule {
   static constexpr bool has_padding_rows = false; // the last block's missing rows do not exist in memory
+  static constexpr bool few_blocks = true;        // ⌈N/64⌉ blocks a head: usually under one wave of the GPU
   int64_t length;                                 // N rows
   int64_t tiles;                                  // ⌈N / 64⌉
 

@@ -26,6 +26,7 @@
 #include "../../geometry.hpp"
 #include "../../types.hpp"
 #include "../arch/matrix.hpp"
+#include "../arch/wave_reduce.hpp"
 #include "attention_schedule.hpp"
 
 namespace vsa {
@@ -106,13 +107,17 @@ template <class E> __device__ __forceinline__ uint4 pack(const float (&f)[8]) {
 }
 
 // Maximum over the D threads of a block (D a multiple of the warp size); every thread gets it. `scratch`
-// holds D / warp_size floats of shared memory.
+// holds D / warp_size floats of shared memory. The lane pattern is wave_reduce's (replayed on the host for
+// both warp sizes by tests/cpu/test_wave_reduce.cpp): a whole-warp butterfly, then one partial per warp.
 template <int D> __device__ __forceinline__ float block_max(float v, float* scratch) {
-  constexpr int warps = D / warp_size;
+  constexpr int warps = wave_reduce::block_warps(D, warp_size);
+  static_assert(wave_reduce::block_whole_warps(D, warp_size), "block_max needs whole warps");
 #pragma unroll
-  for (int o = warp_size / 2; o > 0; o >>= 1) v = fmaxf(v, shfl_xor(v, o));
+  for (int s = 0; s < wave_reduce::warp_steps(warp_size); ++s)
+    v = fmaxf(v, shfl_xor(v, wave_reduce::warp_mask(warp_size, s)));
   if (warps == 1) return v;
-  if (threadIdx.x % warp_size == 0) scratch[threadIdx.x / warp_size] = v;
+  if (wave_reduce::block_slot_writer(threadIdx.x, warp_size))
+    scratch[wave_reduce::block_slot(threadIdx.x, warp_size)] = v;
   __syncthreads();
   float r = scratch[0];
 #pragma unroll
@@ -276,6 +281,7 @@ template <class E, int D> __global__ void VSA_LINEAR_BOUNDS((band_layout<E, D>::
   // Σ v: thread = (row group, 16-byte column chunk).
   constexpr int vecs = D / 8, groups = nthreads / vecs, rows_per_group = 64 / groups;
   static_assert(tpr >= 1 && cpt >= 1 && nthreads % 64 == 0 && 64 % groups == 0, "thread layout");
+  static_assert(wave_reduce::group_fits(tpr, warp_size), "the threads of a row must be a butterfly group of a warp");
 
   extern __shared__ uint4 smem_raw[];
   uint16_t* sm = reinterpret_cast<uint16_t*>(smem_raw);
@@ -305,7 +311,7 @@ template <class E, int D> __global__ void VSA_LINEAR_BOUNDS((band_layout<E, D>::
   }
   float vs[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   const int vrow = tid / vecs, vcol = tid % vecs;
-  const int frow = tid / tpr, fpart = tid % tpr;
+  const int frow = wave_reduce::group_item(tid, tpr), fpart = wave_reduce::group_part(tid, tpr);
 
   if (begin < end) load(begin, 0);
   copy_commit();
@@ -341,8 +347,11 @@ template <class E, int D> __global__ void VSA_LINEAR_BOUNDS((band_layout<E, D>::
           for (int i = 0; i < 8; ++i) sum += fast_exp2(fmaf(x[i], log2e, -mc));
           mx = mc;
         }
+        // The row's `tpr` partials merged by wave_reduce's group butterfly; the merge is symmetric in its two
+        // operands, so every thread of the row ends with the same maximum and sum.
 #pragma unroll
-        for (int o = 1; o < tpr; o <<= 1) {
+        for (int s = 0; s < wave_reduce::group_steps(tpr); ++s) {
+          const int o = wave_reduce::group_mask(s);
           const float mo = shfl_xor(mx, o), so = shfl_xor(sum, o);
           const float mn = fmaxf(mx, mo);
           sum = sum * fast_exp2(mx - mn) + so * fast_exp2(mo - mn);

@@ -1,0 +1,170 @@
+// Hopper (sm_90a) backend of the matrix layer: the four warps of a block act as one warpgroup, and each
+// product is one chain of wgmma.mma_async instructions that read their B operand straight from shared memory
+// through a matrix descriptor, and A too where it is a shared tile (Q, K, V, dO); A comes from registers only
+// where it is made fresh in each iteration (P, dS). The mma.sync backend
+// loads every B fragment into the registers of each of the four warps, so a 64 × 64 × D product moves the
+// B tile through the register file four times; here the tensor cores read it once per warpgroup, and one
+// instruction covers 64 rows.
+//
+// Nothing else changes for the algorithm. The accumulator of wgmma .m64nN gives warp w rows 16w .. 16w+15
+// in exactly the lane layout of mma.sync m16n8 repeated over N/8 column blocks, and its A operand in
+// registers has the m16n8k16 A layout per warp, so score and output tiles, row reductions, lane layouts and
+// the register-resident P of warp_mma carry over unchanged; only nt and nn are replaced, and the band's rows
+// of a loop-invariant operand stay in shared memory (rows_in_registers = false). Requirements: all
+// four warps of the block call nt/nn together (they do: the kernels' loops are block-uniform), warp w holds
+// band 16w (row0 = 16·warp), and shared tiles start on 1024-byte boundaries (aligned_smem).
+//
+// Shared tiles are in the 128-byte-swizzle layout of smem_tile (64-column panels of 128-byte rows):
+//   K-major operand (S = A·Bᵀ, rows of A and B along the head dim): a k step of 16 columns starts 32 bytes
+//     further into the panel; eight-row core-matrix groups are 1024 bytes apart (stride byte offset).
+//   MN-major operand (O = P·B, B's rows along k): a k step of 16 rows starts 2048 bytes further; eight-row
+//     groups along k are 1024 bytes apart (stride byte offset) and the 64-column panels along N are
+//     one panel apart (leading byte offset).
+#pragma once
+
+#include "nvidia_mma.hpp"
+
+namespace vsa {
+namespace gpu {
+
+namespace wgmma {
+
+// Shared-memory matrix descriptor: start address, leading and stride byte offsets (all in 16-byte units,
+// 14 bits each) and the swizzle mode in bits 62-63 (1 = 128-byte swizzle).
+__device__ __forceinline__ uint64_t descriptor(const void* p, uint32_t lead_bytes, uint32_t stride_bytes) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  return static_cast<uint64_t>((a >> 4) & 0x3FFF) | static_cast<uint64_t>((lead_bytes >> 4) & 0x3FFF) << 16 |
+         static_cast<uint64_t>((stride_bytes >> 4) & 0x3FFF) << 32 | static_cast<uint64_t>(1) << 62;
+}
+
+__device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+// The accumulators are written by asynchronous instructions: this keeps the compiler from moving reads or
+// writes of them across the fence/wait that brackets those instructions.
+template <int N> __device__ __forceinline__ void pin(float (&x)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(x[i])::"memory");
+}
+
+#define VSA_WG_ACC8(d, i)                                                                                              \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]),          \
+      "+f"(d[i + 7])
+#define VSA_WG_ACC32(d, i) VSA_WG_ACC8(d, i), VSA_WG_ACC8(d, i + 8), VSA_WG_ACC8(d, i + 16), VSA_WG_ACC8(d, i + 24)
+#define VSA_WG_D32                                                                                                     \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "    \
+  "%24, %25, %26, %27, %28, %29, %30, %31}"
+#define VSA_WG_D64                                                                                                     \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "    \
+  "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, "     \
+  "%46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+
+// d (64 × N over the warpgroup, N/2 floats a thread) += A · B for one k step of 16: A from registers (this
+// warp's 16 rows), B from shared memory; TransB = 1 for an MN-major B. The scale-d predicate is set, so the
+// product accumulates. TAIL names the A registers, the B descriptor, the predicate and the immediates by operand
+// number: they follow the N/2 accumulators.
+#define VSA_WG_RS(N, TYPE, DLIST, PRED, TAIL, ...)                                                                     \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " PRED ", 0;\n"                                                       \
+               "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " DLIST ", " TAIL ";\n}"              \
+               : __VA_ARGS__                                                                                           \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1), "n"(TransB))
+#define VSA_WG_RS64(TYPE)                                                                                              \
+  VSA_WG_RS(64, TYPE, VSA_WG_D32, "%37", "{%32, %33, %34, %35}, %36, p, 1, 1, %38", VSA_WG_ACC32(d, 0))
+#define VSA_WG_RS128(TYPE)                                                                                             \
+  VSA_WG_RS(128, TYPE, VSA_WG_D64, "%69", "{%64, %65, %66, %67}, %68, p, 1, 1, %70", VSA_WG_ACC32(d, 0),               \
+            VSA_WG_ACC32(d, 32))
+
+template <bool BF16, int N, int TransB>
+__device__ __forceinline__ void mma_rs(float* d, const uint32_t (&a)[4], uint64_t b) {
+  static_assert(N == 64 || N == 128, "wgmma shapes used: n64, n128");
+  if constexpr (N == 64 && BF16) {
+    VSA_WG_RS64("bf16");
+  } else if constexpr (N == 64) {
+    VSA_WG_RS64("f16");
+  } else if constexpr (BF16) {
+    VSA_WG_RS128("bf16");
+  } else {
+    VSA_WG_RS128("f16");
+  }
+}
+
+// d (64 × 64) += A · B for one k step, both K-major in shared memory.
+#define VSA_WG_SS64(TYPE)                                                                                              \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                            \
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " " VSA_WG_D32                              \
+               ", %32, %33, p, 1, 1, 0, 0;\n}"                                                                         \
+               : VSA_WG_ACC32(d, 0)                                                                                    \
+               : "l"(a), "l"(b), "r"(1))
+
+template <bool BF16> __device__ __forceinline__ void mma_ss64(float* d, uint64_t a, uint64_t b) {
+  if constexpr (BF16) {
+    VSA_WG_SS64("bf16");
+  } else {
+    VSA_WG_SS64("f16");
+  }
+}
+
+#undef VSA_WG_SS64
+#undef VSA_WG_RS128
+#undef VSA_WG_RS64
+#undef VSA_WG_RS
+#undef VSA_WG_D64
+#undef VSA_WG_D32
+#undef VSA_WG_ACC32
+#undef VSA_WG_ACC8
+
+} // namespace wgmma
+
+template <class E, int D> struct warpgroup_mma : warp_mma<E, D> {
+  using base = warp_mma<E, D>;
+  using typename base::out_tile;
+  using typename base::row_frag;
+  using typename base::score_tile;
+
+  // Descriptor of k step ks of a K-major tile (16 head-dim columns of all 64 rows).
+  __device__ __forceinline__ static uint64_t k_major(smem_tile<D> t, int ks) {
+    return wgmma::descriptor(t.base + (ks >> 2) * smem_tile<D>::panel + (ks & 3) * 16, 16, 1024);
+  }
+  // Descriptor of k step kk of an MN-major tile (rows 16kk .. 16kk+15, all D columns).
+  __device__ __forceinline__ static uint64_t mn_major(smem_tile<D> t, int kk) {
+    return wgmma::descriptor(t.base + kk * 16 * 64, smem_tile<D>::panel * 2, 1024);
+  }
+
+  // The register form of A is used only for operands made fresh in each iteration (P, dS). A loop-invariant
+  // A held in registers across a loop of wgmma (Q in the forward) was observed to be miscompiled by ptxas
+  // of CUDA 13.0: the registers were reused after the first product of an iteration (head dim 64). Q is
+  // read through a descriptor instead, so it keeps a shared slot of its own, and the algorithm asks for it.
+  static constexpr bool rows_in_registers = false;
+
+  // s += A · Bᵀ, A rows row0 .. row0+15 of a shared tile: the warpgroup reads all 64 rows of a at once,
+  // which is warp w's band 16w.
+  __device__ __forceinline__ static void nt(score_tile& s, smem_tile<D> a, int /*row0 = 16·warp*/, smem_tile<D> b) {
+    wgmma::pin(s.x);
+    wgmma::fence();
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) wgmma::mma_ss64<E::is_bf16>(s.x, k_major(a, ks), k_major(b, ks));
+    wgmma::commit();
+    wgmma::wait<0>();
+    wgmma::pin(s.x);
+  }
+  // o += P · B, P the score tile rounded to E (A operand in registers, as with mma.sync), B MN-major.
+  __device__ __forceinline__ static void nn(out_tile& o, const score_tile& p, smem_tile<D> b) {
+    uint32_t a[4][4];
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) a[kk][r] = E::pack(p.x[nv_lanes::p_elem(kk, r, 0)], p.x[nv_lanes::p_elem(kk, r, 1)]);
+    wgmma::pin(o.x);
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma::mma_rs<E::is_bf16, D, 1>(o.x, a[kk], mn_major(b, kk));
+    wgmma::commit();
+    wgmma::wait<0>();
+    wgmma::pin(o.x);
+  }
+};
+
+} // namespace gpu
+} // namespace vsa
