@@ -20,21 +20,22 @@
 //   MN-major operand (O = P·B, B's rows along k): a k step of 16 rows starts 2048 bytes further; eight-row
 //     groups along k are 1024 bytes apart (stride byte offset) and the 64-column panels along N are
 //     one panel apart (leading byte offset).
+// That arithmetic is in smem_layout.hpp (wgmma_layout), where tests/cpu/test_wgmma_layout.cpp runs it against
+// a CPU model of how the instruction reads shared memory.
 #pragma once
 
 #include "nvidia_mma.hpp"
+#include "smem_layout.hpp"
 
 namespace vsa {
 namespace gpu {
 
 namespace wgmma {
 
-// Shared-memory matrix descriptor: start address, leading and stride byte offsets (all in 16-byte units,
-// 14 bits each) and the swizzle mode in bits 62-63 (1 = 128-byte swizzle).
-__device__ __forceinline__ uint64_t descriptor(const void* p, uint32_t lead_bytes, uint32_t stride_bytes) {
-  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
-  return static_cast<uint64_t>((a >> 4) & 0x3FFF) | static_cast<uint64_t>((lead_bytes >> 4) & 0x3FFF) << 16 |
-         static_cast<uint64_t>((stride_bytes >> 4) & 0x3FFF) << 32 | static_cast<uint64_t>(1) << 62;
+// Shared-memory matrix descriptor of k step s of the tile at t (bit packing and strides: smem_layout.hpp).
+__device__ __forceinline__ uint64_t descriptor(const uint16_t* t, wgmma_layout::operand_step s) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(t + s.offset));
+  return wgmma_layout::descriptor(a, s.lead_bytes, s.stride_bytes);
 }
 
 __device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
@@ -125,11 +126,11 @@ template <class E, int D> struct warpgroup_mma : warp_mma<E, D> {
 
   // Descriptor of k step ks of a K-major tile (16 head-dim columns of all 64 rows).
   __device__ __forceinline__ static uint64_t k_major(smem_tile<D> t, int ks) {
-    return wgmma::descriptor(t.base + (ks >> 2) * smem_tile<D>::panel + (ks & 3) * 16, 16, 1024);
+    return wgmma::descriptor(t.base, wgmma_layout::k_major(ks));
   }
   // Descriptor of k step kk of an MN-major tile (rows 16kk .. 16kk+15, all D columns).
   __device__ __forceinline__ static uint64_t mn_major(smem_tile<D> t, int kk) {
-    return wgmma::descriptor(t.base + kk * 16 * 64, smem_tile<D>::panel * 2, 1024);
+    return wgmma::descriptor(t.base, wgmma_layout::mn_major(kk));
   }
 
   // The register form of A is used only for operands made fresh in each iteration (P, dS). A loop-invariant

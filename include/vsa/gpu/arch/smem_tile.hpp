@@ -8,31 +8,28 @@
 // "128-byte swizzle" layout Hopper's warpgroup matrix instructions read straight from shared memory (eight
 // rows of a panel form one 1024-byte swizzle atom, chunk c of row r at chunk c ^ (r mod 8)), and it is as
 // conflict-free for ldmatrix as whole rows are. Tiles then start on 1024-byte boundaries (aligned_smem).
-// On AMD a row is stored whole (D elements) with the same XOR.
+// On AMD a row is stored whole (D elements) with the same XOR. The placement itself is plain arithmetic in
+// smem_layout.hpp, which host code (the CPU model of wgmma's shared-memory reads) runs as well.
 #pragma once
 
 #include "../runtime.hpp"
+#include "smem_layout.hpp"
 
 namespace vsa {
 namespace gpu {
-
-inline constexpr int tile_rows = 64;
 
 template <int D> struct smem_tile {
   static_assert(D % 64 == 0, "head dim must be a multiple of 64");
   static constexpr int chunks = D / 8; // 16-byte chunks per row
   static constexpr int bytes = tile_rows * D * 2;
-#if VSA_PLATFORM_NVIDIA
-  static constexpr int panel = tile_rows * 64; // elements of one 64-column panel
-#endif
 
   uint16_t* base;
 
   __device__ __forceinline__ static int chunk_offset(int row, int c) {
 #if VSA_PLATFORM_NVIDIA
-    return (c >> 3) * panel + row * 64 + (((c & 7) ^ (row & 7)) << 3);
+    return smem_layout::panel_chunk_offset(row, c);
 #else
-    return row * D + ((c ^ (row & 7)) << 3);
+    return smem_layout::row_chunk_offset(D, row, c);
 #endif
   }
   __device__ __forceinline__ static int offset(int row, int col) { return chunk_offset(row, col >> 3) + (col & 7); }

@@ -1,0 +1,74 @@
+// Where a shared tile keeps each element, and the matrix descriptors through which Hopper's wgmma reads
+// those tiles, as plain constexpr arithmetic the host can run too: smem_tile.hpp places every 16-byte chunk
+// with these functions (copy_tile and the fragment loads go through it), hopper_wgmma.hpp builds its
+// descriptors with them, and tests/cpu/test_wgmma_layout.cpp reads the tiles back through a CPU model of
+// the instruction's shared-memory side. Like lane_layout.hpp, this header includes no GPU header.
+#pragma once
+
+#include "../../types.hpp"
+
+namespace vsa {
+namespace gpu {
+
+inline constexpr int tile_rows = 64;
+
+namespace smem_layout {
+
+// Element offset of 16-byte chunk c (columns 8c … 8c+7) of row `row` from the start of a tile; the chunk
+// index is XOR-ed with (row mod 8) so that eight rows read at once spread over all banks (smem_tile.hpp).
+//
+// NVIDIA: D/64 panels of 64 columns, each 64 rows of 128 bytes (the 128-byte swizzle layout of wgmma).
+constexpr int panel_cols = 64;
+constexpr int panel = tile_rows * panel_cols; // elements of one panel
+constexpr int panel_bytes = panel * 2;
+VSA_HOST_DEVICE constexpr int panel_chunk_offset(int row, int c) {
+  return (c >> 3) * panel + row * panel_cols + (((c & 7) ^ (row & 7)) << 3);
+}
+// AMD: whole rows of d elements.
+VSA_HOST_DEVICE constexpr int row_chunk_offset(int d, int row, int c) { return row * d + ((c ^ (row & 7)) << 3); }
+
+} // namespace smem_layout
+
+// wgmma's shared-memory operands (PTX ISA, "Matrix Descriptor" and "Shared Memory Matrix Layout"), over the
+// panel layout above with its panels 1024-byte aligned. The 128-byte swizzle acts on address bits (16-byte
+// unit bits 4-6 XOR row bits 7-9), so a descriptor may start inside a swizzle atom: a k step within a panel
+// is a plain offset of its start address.
+namespace wgmma_layout {
+
+// Swizzle mode field, bits 62-63.
+constexpr uint64_t swizzle_128b = 1;
+
+// Start address, leading and stride byte offsets, each in 16-byte units in 14 bits, and the swizzle mode;
+// the matrix base offset (bits 49-51) stays 0 because panels start on swizzle-pattern boundaries.
+VSA_HOST_DEVICE constexpr uint64_t descriptor(uint32_t smem_addr, uint32_t lead_bytes, uint32_t stride_bytes) {
+  return static_cast<uint64_t>((smem_addr >> 4) & 0x3FFF) | static_cast<uint64_t>((lead_bytes >> 4) & 0x3FFF) << 16 |
+         static_cast<uint64_t>((stride_bytes >> 4) & 0x3FFF) << 32 | swizzle_128b << 62;
+}
+
+// One k step of a tile as an operand: the element offset of its start from the tile's base and the two
+// byte strides of its descriptor.
+struct operand_step {
+  int offset;
+  uint32_t lead_bytes;
+  uint32_t stride_bytes;
+};
+
+// K-major operand (16 columns of all 64 rows, k along the row): k step ks is 16 columns, 32 bytes further
+// into a panel, four steps a panel. The eight-row groups are 1024 bytes apart (stride byte offset); the two
+// 8-column halves of a step lie side by side within the 128-byte row, so the leading byte offset is unused
+// by the swizzled layout (16 bytes, encoded as 1, the value the ISA assumes).
+VSA_HOST_DEVICE constexpr operand_step k_major(int ks) {
+  return {(ks >> 2) * smem_layout::panel + (ks & 3) * 16, 16, 1024};
+}
+
+// MN-major operand (16 rows, k along the rows, all columns along N): k step kk starts 16 rows = 2048 bytes
+// further; the two eight-row groups along k are 1024 bytes apart (stride byte offset) and the 64-column
+// blocks along N one panel apart (leading byte offset).
+VSA_HOST_DEVICE constexpr operand_step mn_major(int kk) {
+  return {kk * 16 * smem_layout::panel_cols, smem_layout::panel_bytes, 1024};
+}
+
+} // namespace wgmma_layout
+
+} // namespace gpu
+} // namespace vsa
