@@ -151,39 +151,41 @@ void k2q_stage(benchmark::State& state, const shape& s) {
   state.counters["k"] = double(sel.in.k);
 }
 
+// Block means, then coarse attention on them (scores, o_c, lse_c): the head of the selection chain.
+struct coarse_inputs {
+  means_inputs m;
+  selection_inputs sel;
+  buffer o_c, lse_c;
+  float scale;
+  explicit coarse_inputs(const shape& s)
+      : m(s), sel(s), o_c(static_cast<std::size_t>(m.in.means_bytes(m.in.p.q_heads))),
+        lse_c(m.in.p.batch * m.in.p.q_heads * m.in.n * 4), scale(1.f / std::sqrt(float(m.in.p.head_dim))) {}
+  void coarse() {
+    check(coarse_attention(m.in.p, scale, m.q_c.get(), m.k_c.get(), m.v_c.get(), sel.scores.get<float>(),
+                           o_c.get(), lse_c.get<float>(), nullptr),
+          "coarse_attention");
+  }
+};
+
 // Coarse attention alone, on the means the block-means stage produced.
 void coarse_stage(benchmark::State& state, const shape& s) {
-  means_inputs m(s);
-  selection_inputs sel(s);
-  const problem& p = m.in.p;
-  buffer o_c(static_cast<std::size_t>(m.in.means_bytes(p.q_heads))), lse_c(p.batch * p.q_heads * m.in.n * 4);
-  const float scale = 1.f / std::sqrt(float(p.head_dim));
-  m.run();
-  time_on_stream(state, nullptr, [&] {
-    check(coarse_attention(p, scale, m.q_c.get(), m.k_c.get(), m.v_c.get(), sel.scores.get<float>(), o_c.get(),
-                           lse_c.get<float>(), nullptr),
-          "coarse_attention");
-  });
-  state.counters["N"] = double(m.in.n);
+  coarse_inputs c(s);
+  c.m.run();
+  time_on_stream(state, nullptr, [&] { c.coarse(); });
+  state.counters["N"] = double(c.m.in.n);
 }
 
 // Block means -> coarse attention (scores, o_c, lse_c) -> top-k -> k2q: everything before the sparse pass.
 void chain_stage(benchmark::State& state, const shape& s) {
-  means_inputs m(s);
-  selection_inputs sel(s);
-  const problem& p = m.in.p;
-  buffer o_c(static_cast<std::size_t>(m.in.means_bytes(p.q_heads))), lse_c(p.batch * p.q_heads * m.in.n * 4);
-  const float scale = 1.f / std::sqrt(float(p.head_dim));
+  coarse_inputs c(s);
   time_on_stream(state, nullptr, [&] {
-    m.run();
-    check(coarse_attention(p, scale, m.q_c.get(), m.k_c.get(), m.v_c.get(), sel.scores.get<float>(), o_c.get(),
-                           lse_c.get<float>(), nullptr),
-          "coarse_attention");
-    sel.select(sel.scores.get<float>());
-    sel.index();
+    c.m.run();
+    c.coarse();
+    c.sel.select(c.sel.scores.get<float>());
+    c.sel.index();
   });
-  state.counters["N"] = double(m.in.n);
-  state.counters["k"] = double(m.in.k);
+  state.counters["N"] = double(c.m.in.n);
+  state.counters["k"] = double(c.m.in.k);
 }
 
 void copy_bandwidth(benchmark::State& state) {

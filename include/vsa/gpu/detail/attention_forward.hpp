@@ -25,30 +25,17 @@ struct forward_params {
   float scale_log2; // scale · log2(e)
 };
 
-// Pipelines (smem_plan::forward_stages). Two stages: while tile j is used, tile j+1 streams into the other
-// stage; Q, read into registers first, borrows the second stage's K slot. One stage on Hopper for grids
-// that fill the GPU: the wgmma backend reads Q from shared memory in every product, so Q keeps a slot of
-// its own, and Q, K and V in 48 KiB for D = 128 let four blocks share an SM; each copy then waits for the
-// previous tile to be used, while the other three blocks keep the SM busy. Measured on an H200
-// (bench/NOTES.md): this beats two stages at two blocks per SM (1.17x) and a one-stage variant that refills
-// K and V separately right after their products (1.09x: its two extra barriers an iteration cost more than
-// the overlap gained). The coarse pass (dense schedule, fewer blocks than one wave) keeps two stages: there
-// the latency of each block's chain matters, not occupancy.
-template <int D, bool Hopper, bool FewBlocks> struct forward_pipeline {
-  static constexpr int stages = smem_plan<D>::forward_stages(Hopper, FewBlocks);
-  static constexpr bool q_shares = smem_plan<D>::forward_q_shares(Hopper, FewBlocks);
-};
-
 template <class E, int D, class Sched>
 __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blocks)
     attention_forward_kernel(forward_params p, Sched s) {
   using M = attention_mma<E, D>;
-  using pipeline = forward_pipeline<D, hopper_code, Sched::few_blocks>;
   constexpr int nthreads = 4 * M::threads;
   constexpr int R = M::rows_per_lane;
   constexpr float inf = __builtin_huge_valf();
-  constexpr int stages = pipeline::stages;
-  static_assert(!pipeline::q_shares || M::rows_in_registers, "Q lends its slot only from registers");
+  // The pipeline, and why: smem_plan::forward_stages. The host sizes shared memory by the same rule.
+  constexpr int stages = smem_plan<D>::forward_stages(hopper_code, Sched::few_blocks);
+  constexpr bool q_shares = smem_plan<D>::forward_q_shares(hopper_code, Sched::few_blocks);
+  static_assert(!q_shares || M::rows_in_registers, "Q lends its slot only from registers");
 
   extern __shared__ uint4 smem_raw[];
   uint16_t* sm = aligned_smem(smem_raw);
@@ -57,7 +44,7 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
   // arrays of tiles, so that a run-time stage index does not push the tile descriptors to local memory.
   const auto sk = [&](int buf) { return smem_tile<D>{sm + (2 * buf) * 64 * D}; };
   const auto sv = [&](int buf) { return smem_tile<D>{sm + (1 + 2 * buf) * 64 * D}; };
-  const smem_tile<D> sq = pipeline::q_shares ? sk(1) : smem_tile<D>{sm + 2 * stages * 64 * D};
+  const smem_tile<D> sq = q_shares ? sk(1) : smem_tile<D>{sm + 2 * stages * 64 * D};
 
   const int64_t i = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int64_t bh = b * p.q_heads + h, hk = h / p.group;
@@ -87,7 +74,7 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
   __syncthreads();
   typename M::row_frag qf;
   if constexpr (M::rows_in_registers) M::load_rows(qf, sq, row0);
-  if (pipeline::q_shares) __syncthreads(); // Q's slot is refilled by the first prefetch
+  if (q_shares) __syncthreads(); // Q's slot is refilled by the first prefetch
 
   for (int64_t pos = begin; pos < end; ++pos) {
     const int buf = stages == 2 ? static_cast<int>((pos - begin) & 1) : 0;

@@ -25,6 +25,15 @@ template <class F> status dispatch(dtype t, int64_t d, F&& f) {
   return status::error(errc::bad_argument, "no kernel for %s with head dim %lld", dtype_name(t), (long long)d);
 }
 
+// Whether a kernel runs as Hopper code (sm_90 and later), which decides its pipeline and so its shared memory
+// (smem_plan: the device side asks hopper_code, the host the binary version of the code the kernel runs as).
+template <class Kernel> status runs_as_hopper(Kernel k, bool& hopper) {
+  int version = 0;
+  const status st = runtime_status(kernel_binary_version(k, &version), "querying the attention kernel");
+  hopper = version >= 90;
+  return st;
+}
+
 template <class Kernel> status prepare(Kernel k, int smem_bytes) {
   // Raising the dynamic shared-memory limit is idempotent and cheap; doing it on every launch keeps the
   // library free of global state.
@@ -35,12 +44,10 @@ template <class E, int D, class Sched>
 status launch_forward(const forward_params& fp, const Sched& s, int64_t batch, int64_t heads, stream_t stream) {
   using M = warp_mma<E, D>;
   const auto kernel = attention_forward_kernel<E, D, Sched>;
-  // The pipeline, and so the shared memory, depends on whether the kernel runs as Hopper code (sm_90 and
-  // later, forward_pipeline): the host learns that from the binary version of the code it runs as.
-  int version = 0;
-  status st = runtime_status(kernel_binary_version(kernel, &version), "querying the attention kernel");
+  bool hopper = false;
+  status st = runs_as_hopper(kernel, hopper);
   if (!st) return st;
-  const int smem = smem_plan<D>::forward_bytes(version >= 90, Sched::few_blocks);
+  const int smem = smem_plan<D>::forward_bytes(hopper, Sched::few_blocks);
   st = prepare(kernel, smem);
   if (!st) return st;
   const dim3 grid(static_cast<unsigned>(s.tiles), static_cast<unsigned>(heads), static_cast<unsigned>(batch));
@@ -75,10 +82,10 @@ template <class E, int D, class Sched> status launch_backward(const backward_par
   using M = warp_mma<E, D>;
   const auto dq_kernel = attention_dq_kernel<E, D, Sched>;
   const auto dkdv_kernel = attention_dkdv_kernel<E, D, Sched>;
-  int version = 0; // as in launch_forward: the stages depend on whether the code is Hopper's
-  status st = runtime_status(kernel_binary_version(dq_kernel, &version), "querying the attention kernel");
+  bool hopper = false;
+  status st = runs_as_hopper(dq_kernel, hopper);
   if (!st) return st;
-  const int smem = smem_plan<D>::backward_bytes(version >= 90);
+  const int smem = smem_plan<D>::backward_bytes(hopper);
   st = prepare(dq_kernel, smem);
   if (st) st = prepare(dkdv_kernel, smem);
   if (!st) return st;
