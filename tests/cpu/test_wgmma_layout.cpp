@@ -3,7 +3,8 @@
 // of the canonical shared-memory layouts, independently of the header: the tiles are placed in a simulated
 // shared memory with the chunk placement copy_tile uses, every descriptor the kernels build is built with
 // the same functions, and the operand the model reads through each descriptor must be the logical tile, so
-// that S = A·Bᵀ (nt) and O = P·V (nn) computed from those reads are the plain products. The register side
+// that S = A·Bᵀ (nt), O = P·V (nn) and KV = φ(K)ᵀ·V (tn, A read transposed out of a tile's panel)
+// computed from those reads are the plain products. The register side
 // of wgmma (A from registers, the accumulator) is the mma.sync lane layout, checked in test_lane_layout.cpp.
 #include "support/catch.hpp"
 
@@ -206,6 +207,54 @@ template <int D> void nn_product(std::mt19937& rng) {
   CHECK(acc == product_nn(p, b));
 }
 
+// tn: KV = Aᵀ·B over the 64 rows of two tiles (the linear-attention state φ(K)ᵀ·V). Warpgroup g reads the
+// 64 columns of panel g of A transposed (MN-major A of extent 64: A'(m, k) = A[16kk + k][64g + m]) and all
+// of B MN-major as in nn; one m64nDk16 per k step of 16 rows. Its 64 result rows are columns 64g … of A.
+template <int D> void tn_product(std::mt19937& rng) {
+  values v(rng);
+  const tile a = v.make(64, D), b = v.make(64, D);
+  const uint32_t at = first_tile, bt = first_tile + tile_bytes(D);
+  smem s(bt + tile_bytes(D) + 1024);
+  place(s, at, a, D);
+  place(s, bt, b, D);
+  for (int g = 0; g < D / 64; ++g) {
+    wide acc(64, std::vector<uint64_t>(D, 0)), want(64, std::vector<uint64_t>(D, 0));
+    for (int kk = 0; kk < 4; ++kk) {
+      const tile ar = read(s, descriptor(at, wl::mn_major_panel(g, kk)), major::mn, 64);
+      const tile br = read(s, descriptor(bt, wl::mn_major(kk)), major::mn, D);
+      for (int m = 0; m < 64; ++m)
+        for (int k = 0; k < 16; ++k) REQUIRE(ar[m][k] == a[16 * kk + k][64 * g + m]);
+      for (int m = 0; m < 64; ++m)
+        for (int n = 0; n < D; ++n)
+          for (int k = 0; k < 16; ++k) acc[m][n] += uint64_t{ar[m][k]} * br[n][k];
+    }
+    for (int m = 0; m < 64; ++m)
+      for (int n = 0; n < D; ++n)
+        for (int t = 0; t < 64; ++t) want[m][n] += uint64_t{a[t][64 * g + m]} * b[t][n];
+    CHECK(acc == want);
+  }
+}
+
+// Whether every k step of every panel of a D-wide tile reads back transposed (tn's A) through descriptors
+// built from operand steps altered by `edit` (which gets the panel too).
+template <class Edit> bool reads_transposed(int d, Edit edit) {
+  std::mt19937 rng(7);
+  values v(rng);
+  const tile t = v.make(64, d);
+  smem s(first_tile + tile_bytes(d) + 1024);
+  place(s, first_tile, t, d);
+  for (int g = 0; g < d / 64; ++g)
+    for (int kk = 0; kk < 4; ++kk) {
+      const uint64_t desc = descriptor(first_tile, edit(g, wl::mn_major_panel(g, kk)));
+      for (int m = 0; m < 64; ++m)
+        for (int k = 0; k < 16; ++k) {
+          const uint32_t addr = element_address(desc, major::mn, 64, m, k);
+          if (addr + 1 >= s.bytes.size() || s.load(addr) != t[16 * kk + k][64 * g + m]) return false;
+        }
+    }
+  return true;
+}
+
 // Whether every k step of a D-wide tile reads back as the logical tile through descriptors altered by `edit`.
 template <class Edit> bool reads_tile(int d, major mj, Edit edit) {
   std::mt19937 rng(5);
@@ -271,6 +320,38 @@ TEST_CASE("wgmma reads the MN-major operand of nn as the logical tile", "[cpu][w
   std::mt19937 rng(29);
   nn_product<64>(rng);
   nn_product<128>(rng);
+}
+
+TEST_CASE("wgmma reads a tile's panel transposed as the A operand of tn", "[cpu][wgmma]") {
+  std::mt19937 rng(31);
+  tn_product<64>(rng);
+  tn_product<128>(rng);
+}
+
+TEST_CASE("wgmma operand model: a wrong offset of tn's transposed A reads a different operand", "[cpu][wgmma]") {
+  using step = wl::operand_step;
+  for (int d : {64, 128}) {
+    CHECK(reads_transposed(d, [](int, step s) { return s; }));
+    // One row (128 bytes) or one 16-byte unit further (the start address has no finer unit), or eight rows
+    // (one core-matrix group along k).
+    for (int off : {64, 8, 8 * 64})
+      CHECK_FALSE(reads_transposed(d, [off](int, step s) {
+        return step{s.offset + off, s.lead_bytes, s.stride_bytes};
+      }));
+    // The k step's 16 rows counted as 16 columns (the K-major step), or the rows as 8 apart.
+    CHECK_FALSE(reads_transposed(d, [](int g, step s) {
+      return step{g * sl::panel + (s.offset - g * sl::panel) / (16 * sl::panel_cols) * 16, s.lead_bytes,
+                  s.stride_bytes};
+    }));
+    // Eight-row groups along k at the wrong distance.
+    CHECK_FALSE(reads_transposed(d, [](int, step s) { return step{s.offset, s.lead_bytes, 512}; }));
+    // Extent 64 is one swizzle atom wide: the leading byte offset is never used.
+    CHECK(reads_transposed(d, [](int, step s) { return step{s.offset, 16, s.stride_bytes}; }));
+  }
+  // The panel left out: warpgroup 1 would read warpgroup 0's columns.
+  CHECK_FALSE(reads_transposed(128, [](int g, step s) {
+    return step{s.offset - g * sl::panel, s.lead_bytes, s.stride_bytes};
+  }));
 }
 
 TEST_CASE("wgmma operand model: a wrong descriptor field reads a different tile", "[cpu][wgmma]") {

@@ -100,6 +100,7 @@ inline std::size_t round_up(std::size_t n) { return (n + 255) / 256 * 256; }
 
 // Slices and workspace offsets of one call.
 struct plan {
+  bool hopper = false; // the kernels run as Hopper code: their shared memory includes tile_slack
   int64_t heads_kv = 0, heads_q = 0;
   int64_t slices_state = 0, slices_apply = 0, slices_query = 0, slices_key = 0;
   std::size_t partial = 0, state_kvn = 0, state_vec = 0, grad_kvn = 0, grad_vec = 0, rows = 0, bytes = 0;
@@ -113,20 +114,27 @@ template <class E, int D> status make_plan(const problem& p, token_order order, 
   const sequence seq = make_sequence(p, order);
   w.heads_kv = p.batch * p.kv_heads;
   w.heads_q = p.batch * p.q_heads;
+  // All the kernels are built for the same architectures; the state kernel's binary version stands for them.
+  int version = 0;
+  status s = runtime_status(kernel_binary_version(state_kernel<E, D>, &version), "querying the state kernel");
+  if (!s) return s;
+  w.hopper = version >= 90;
   int64_t slots = 0;
-  status s = resident_blocks(state_kernel<E, D>, state_shape<E, D>::threads, state_shape<E, D>::smem, slots);
+  s = resident_blocks(state_kernel<E, D>, state_shape<E, D>::threads, state_shape<E, D>::smem(w.hopper), slots);
   if (!s) return s;
   // A slice's record is (D + 2) / 64 chunks' worth of K and V traffic, written once and read back once.
   w.slices_state = choose_slices(w.heads_kv, seq.chunks, slots, 2 * ((D + 2 + 63) / 64));
   if (!backward) {
-    s = resident_blocks(apply_kernel<E, D>, apply_shape<E, D>::threads, apply_shape<E, D>::smem, slots);
+    s = resident_blocks(apply_kernel<E, D>, apply_shape<E, D>::threads, apply_shape<E, D>::smem(w.hopper), slots);
     if (!s) return s;
     w.slices_apply = choose_slices(w.heads_q, seq.chunks, slots, 1);
   } else {
-    s = resident_blocks(query_grad_kernel<E, D>, query_grad_shape<E, D>::threads, query_grad_shape<E, D>::smem, slots);
+    s = resident_blocks(query_grad_kernel<E, D>, query_grad_shape<E, D>::threads,
+                        query_grad_shape<E, D>::smem(w.hopper), slots);
     if (!s) return s;
     w.slices_query = choose_slices(w.heads_q, seq.chunks, slots, 2 * ((D + 2 + 63) / 64));
-    s = resident_blocks(key_grad_kernel<E, D>, key_grad_shape<E, D>::threads, key_grad_shape<E, D>::smem, slots);
+    s = resident_blocks(key_grad_kernel<E, D>, key_grad_shape<E, D>::threads, key_grad_shape<E, D>::smem(w.hopper),
+                        slots);
     if (!s) return s;
     w.slices_key = choose_slices(w.heads_kv, seq.chunks, slots, 1);
   }
@@ -171,7 +179,7 @@ template <class E, int D> status run_state(const problem& p, const plan& w, cons
   sp.partial = w.at<float>(workspace, w.partial);
   sp.phi = phi;
   state_kernel<E, D><<<static_cast<unsigned>(w.heads_kv * w.slices_state), state_shape<E, D>::threads,
-                       state_shape<E, D>::smem, stream>>>(sp);
+                       state_shape<E, D>::smem(w.hopper), stream>>>(sp);
   status s = launch_status("linear attention (state)");
   if (!s) return s;
 
@@ -231,7 +239,7 @@ inline status linear_attention_forward(const problem& p, feature_map phi, float 
     ap.eps = eps;
     ap.phi = phi;
     gl::apply_kernel<E, D><<<static_cast<unsigned>(w.heads_q * w.slices_apply), gl::apply_shape<E, D>::threads,
-                             gl::apply_shape<E, D>::smem, stream>>>(ap);
+                             gl::apply_shape<E, D>::smem(w.hopper), stream>>>(ap);
     return gpu::launch_status("linear attention (apply)");
   });
 }
@@ -286,8 +294,9 @@ inline status linear_attention_backward(const problem& p, feature_map phi, float
     qp.phi = phi;
     qp.partial = w.at<float>(workspace, w.partial);
     qp.rows = w.at<float>(workspace, w.rows);
-    gl::query_grad_kernel<E, D><<<static_cast<unsigned>(w.heads_q * w.slices_query),
-                                  gl::query_grad_shape<E, D>::threads, gl::query_grad_shape<E, D>::smem, stream>>>(qp);
+    gl::query_grad_kernel<E, D>
+        <<<static_cast<unsigned>(w.heads_q * w.slices_query), gl::query_grad_shape<E, D>::threads,
+           gl::query_grad_shape<E, D>::smem(w.hopper), stream>>>(qp);
     st = gpu::launch_status("linear attention backward (query side)");
     if (!st) return st;
 
@@ -317,7 +326,7 @@ inline status linear_attention_backward(const problem& p, feature_map phi, float
     kp.grad_vec = rp.grad.vec;
     kp.phi = phi;
     gl::key_grad_kernel<E, D><<<static_cast<unsigned>(w.heads_kv * w.slices_key), gl::key_grad_shape<E, D>::threads,
-                                gl::key_grad_shape<E, D>::smem, stream>>>(kp);
+                                gl::key_grad_shape<E, D>::smem(w.hopper), stream>>>(kp);
     return gpu::launch_status("linear attention backward (key side)");
   });
 }

@@ -1,7 +1,8 @@
 // Hopper (sm_90a) backend of the matrix layer: the four warps of a block act as one warpgroup, and each
 // product is one chain of wgmma.mma_async instructions that read their B operand straight from shared memory
 // through a matrix descriptor, and A too where it is a shared tile (Q, K, V, dO); A comes from registers only
-// where it is made fresh in each iteration (P, dS). The mma.sync backend
+// where it is made fresh in each iteration (P, dS), and both are shared tiles in tn, whose A is read
+// transposed (the linear-attention kernels' φᵀ·V). The mma.sync backend
 // loads every B fragment into the registers of each of the four warps, so a 64 × 64 × D product moves the
 // B tile through the register file four times; here the tensor cores read it once per warpgroup, and one
 // instruction covers 64 rows.
@@ -91,23 +92,34 @@ __device__ __forceinline__ void mma_rs(float* d, const uint32_t (&a)[4], uint64_
   }
 }
 
-// d (64 × 64) += A · B for one k step, both K-major in shared memory.
-#define VSA_WG_SS64(TYPE)                                                                                              \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                            \
-               "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " " VSA_WG_D32                              \
-               ", %32, %33, p, 1, 1, 0, 0;\n}"                                                                         \
-               : VSA_WG_ACC32(d, 0)                                                                                    \
-               : "l"(a), "l"(b), "r"(1))
+// d (64 × N) += A · B for one k step, both operands in shared memory; TransA / TransB = 1 for an MN-major
+// operand (A read transposed: its tile's columns are the product's rows). Operand numbers as in VSA_WG_RS.
+#define VSA_WG_SS(N, TYPE, DLIST, PRED, TAIL, ...)                                                                     \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " PRED ", 0;\n"                                                       \
+               "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " DLIST ", " TAIL ";\n}"              \
+               : __VA_ARGS__                                                                                           \
+               : "l"(a), "l"(b), "r"(1), "n"(TransA), "n"(TransB))
+#define VSA_WG_SS64(TYPE) VSA_WG_SS(64, TYPE, VSA_WG_D32, "%34", "%32, %33, p, 1, 1, %35, %36", VSA_WG_ACC32(d, 0))
+#define VSA_WG_SS128(TYPE)                                                                                             \
+  VSA_WG_SS(128, TYPE, VSA_WG_D64, "%66", "%64, %65, p, 1, 1, %67, %68", VSA_WG_ACC32(d, 0), VSA_WG_ACC32(d, 32))
 
-template <bool BF16> __device__ __forceinline__ void mma_ss64(float* d, uint64_t a, uint64_t b) {
-  if constexpr (BF16) {
+template <bool BF16, int N, int TransA, int TransB>
+__device__ __forceinline__ void mma_ss(float* d, uint64_t a, uint64_t b) {
+  static_assert(N == 64 || N == 128, "wgmma shapes used: n64, n128");
+  if constexpr (N == 64 && BF16) {
     VSA_WG_SS64("bf16");
-  } else {
+  } else if constexpr (N == 64) {
     VSA_WG_SS64("f16");
+  } else if constexpr (BF16) {
+    VSA_WG_SS128("bf16");
+  } else {
+    VSA_WG_SS128("f16");
   }
 }
 
+#undef VSA_WG_SS128
 #undef VSA_WG_SS64
+#undef VSA_WG_SS
 #undef VSA_WG_RS128
 #undef VSA_WG_RS64
 #undef VSA_WG_RS
@@ -145,7 +157,7 @@ template <class E, int D> struct warpgroup_mma : warp_mma<E, D> {
     wgmma::pin(s.x);
     wgmma::fence();
 #pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) wgmma::mma_ss64<E::is_bf16>(s.x, k_major(a, ks), k_major(b, ks));
+    for (int ks = 0; ks < D / 16; ++ks) wgmma::mma_ss<E::is_bf16, 64, 0, 0>(s.x, k_major(a, ks), k_major(b, ks));
     wgmma::commit();
     wgmma::wait<0>();
     wgmma::pin(s.x);
@@ -161,6 +173,23 @@ template <class E, int D> struct warpgroup_mma : warp_mma<E, D> {
     wgmma::fence();
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) wgmma::mma_rs<E::is_bf16, D, 1>(o.x, a[kk], mn_major(b, kk));
+    wgmma::commit();
+    wgmma::wait<0>();
+    wgmma::pin(o.x);
+  }
+  // o += Aᵀ · B over the 64 rows of two shared tiles (the k axis): A the 64 columns of panel `panel` of tile
+  // a, read transposed through an MN-major descriptor, B all D columns of tile b (MN-major, as in nn). Warp w
+  // gets rows 16w … 16w+15 of the product, i.e. columns 64·panel + 16w … of a. This is the φᵀ·V form of the
+  // linear-attention kernels, whose transposed operand the mma.sync backend would gather element by element;
+  // tnspA is allowed for 16-bit types, and both operands come from shared memory, so no A register stays
+  // live across the chain (the hazard noted at rows_in_registers does not arise).
+  __device__ __forceinline__ static void tn(out_tile& o, smem_tile<D> a, int panel, smem_tile<D> b) {
+    wgmma::pin(o.x);
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+      wgmma::mma_ss<E::is_bf16, D, 1, 1>(o.x, wgmma::descriptor(a.base, wgmma_layout::mn_major_panel(panel, kk)),
+                                         mn_major(b, kk));
     wgmma::commit();
     wgmma::wait<0>();
     wgmma::pin(o.x);

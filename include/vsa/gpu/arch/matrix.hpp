@@ -9,6 +9,8 @@
 //   nt(s, a, b), nt(s, ta, row0, b)    s += a · bᵀ  (a: the band's rows, in registers or rows row0.. of
 //                                      shared tile ta; b: a 64-row shared tile)
 //   nn(o, p, b)                        o += p · b   (p: a score tile, b: a 64-row shared tile)
+//   tn(o, a, panel, b)                 wgmma backend only: o += aᵀ · b over the 64 rows of two shared tiles,
+//                                      aᵀ the 64 columns of one panel of a, read transposed
 //
 // plus the global-to-shared tile copy. The algorithm never sees a lane layout. The attention kernels take
 // attention_mma<E, D>: on Hopper (device code compiled for sm_90a) that is the warpgroup backend of
@@ -69,6 +71,16 @@ template <int N> __device__ __forceinline__ void copy_wait() {
 #if VSA_PLATFORM_NVIDIA
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 #endif
+#if VSA_WGMMA
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
+// A shared tile written with ordinary stores and then read by wgmma through a descriptor: the stores go
+// through the generic proxy, the instruction's reads through the async proxy, so each writing thread fences
+// its own stores before the barrier that orders them for the others. The other backends read with ordinary
+// loads, which the barrier alone orders.
+__device__ __forceinline__ void stores_to_matrix_fence() {
 #if VSA_WGMMA
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 #endif

@@ -68,6 +68,15 @@ VSA_HOST_DEVICE constexpr operand_step mn_major(int kk) {
   return {kk * 16 * smem_layout::panel_cols, smem_layout::panel_bytes, 1024};
 }
 
+// The 64 columns of panel p read transposed, as an MN-major operand of extent 64 (the A of tn: a tile's
+// columns become the product's rows, its rows the k axis): k step kk is rows 16kk … 16kk+15 of that panel,
+// i.e. the MN-major step moved one panel per p. Extent 64 is one swizzle atom wide, so the leading byte
+// offset is never used; it keeps mn_major's value.
+VSA_HOST_DEVICE constexpr operand_step mn_major_panel(int p, int kk) {
+  const operand_step s = mn_major(kk);
+  return {p * smem_layout::panel + s.offset, s.lead_bytes, s.stride_bytes};
+}
+
 } // namespace wgmma_layout
 
 } // namespace gpu

@@ -4,7 +4,8 @@
 // Forward, three launches:
 //   state         one block per (slice of the sequence, batch, kv head): partial KV, z and Σ v over its
 //                 slice, into fp32 workspace records. One warp per 16 rows (d1) of KV: the warp reads the
-//                 transposed φ(K) band out of shared memory into a score tile and multiplies it by the V tile.
+//                 transposed φ(K) band out of shared memory into a score tile and multiplies it by the V tile
+//                 (on Hopper each warpgroup reads its 64 rows of φ(K)ᵀ through a transposed wgmma operand).
 //   state_reduce  adds the records of every slice in slice order (so the result never depends on timing) and
 //                 stores the state in the form the matrix cores read (below).
 //   apply         one block per (slice, batch, q head), one warp per 16 query rows: φ(Q) in registers, one
@@ -12,6 +13,10 @@
 // Backward, four more (after state and state_reduce): query_grad (dq, and per-slice partial dKV, dz from the
 // transposed φ(Q) band times dO), grad_reduce (over slices and over the q heads of each group, in a fixed
 // order), key_grad (dk, dv). No atomics anywhere: every sum has one owner and one order.
+//
+// Matrix layer: attention_mma (arch/matrix.hpp), i.e. the wgmma backend in device code for sm_90a and
+// warp_mma elsewhere; both give warp w rows 16w … of a 64-row tile in the same element map, so the band
+// code below serves both. Launch shapes are taken from warp_mma on the host and the device alike.
 //
 // Stored form of the state, chosen so that no 16-bit operand can overflow or lose its range, whatever the
 // sequence length or the magnitude of v (fp16 included):
@@ -51,6 +56,26 @@ constexpr int copy_stages = 2;
 #else
 constexpr int copy_stages = 1;
 #endif
+
+// Whether the layer reads the transposed operand of a φᵀ·V product straight out of shared memory (tn, the
+// wgmma backend). Otherwise each warp gathers its 16-row band of φᵀ element by element into a score tile.
+#if VSA_WGMMA
+constexpr bool layer_tn = true;
+#else
+constexpr bool layer_tn = false;
+#endif
+
+// Where a block's shared tiles start: on the wgmma backend on a 1024-byte boundary (descriptor reads, see
+// smem_tile.hpp), for which Hopper blocks are given smem_slack more bytes (tile_slack, host and device
+// agree through the kernel's binary version); elsewhere at the start, with no slack. A macro, so that the
+// other backends compile to exactly the code they had (an inline function in between reorders the address
+// arithmetic of the copies, seen in the sm_80 PTX).
+#if VSA_WGMMA
+#define VSA_LINEAR_TILES(raw) aligned_smem(raw)
+#else
+#define VSA_LINEAR_TILES(raw) reinterpret_cast<uint16_t*>(raw)
+#endif
+constexpr int tile_slack(bool hopper) { return hopper ? smem_slack : 0; }
 
 // One fp32 record per (slice, head) of the partial sums: a D × D matrix, then two D-vectors.
 template <int D> struct record {
@@ -263,14 +288,15 @@ struct state_params {
 template <class E, int D> struct state_shape {
   using L = band_layout<E, D>;
   static constexpr int threads = L::threads;
-  static constexpr int smem = 2 * copy_stages * smem_tile<D>::bytes;
-  static_assert(smem <= max_block_smem, "state tiles do not fit");
-  static_assert(threads / (D / 8) * D * 4 <= smem, "Σ v scratch does not fit");
+  static constexpr int tiles = 2 * copy_stages * smem_tile<D>::bytes;
+  static constexpr int smem(bool hopper) { return tiles + tile_slack(hopper); }
+  static_assert(smem(true) <= max_block_smem, "state tiles do not fit");
+  static_assert(2 * (threads / (D / 8)) * D * 4 <= tiles, "Σ v and z scratch does not fit");
 };
 
 template <class E, int D> __global__ void VSA_LINEAR_BOUNDS((band_layout<E, D>::threads), (D == 128 ? 2 : 3))
     state_kernel(state_params p) {
-  using M = warp_mma<E, D>;
+  using M = attention_mma<E, D>;
   using L = band_layout<E, D>;
   constexpr int nthreads = L::threads;
   constexpr int R = M::rows_per_lane;
@@ -284,7 +310,7 @@ template <class E, int D> __global__ void VSA_LINEAR_BOUNDS((band_layout<E, D>::
   static_assert(wave_reduce::group_fits(tpr, warp_size), "the threads of a row must be a butterfly group of a warp");
 
   extern __shared__ uint4 smem_raw[];
-  uint16_t* sm = reinterpret_cast<uint16_t*>(smem_raw);
+  uint16_t* sm = VSA_LINEAR_TILES(smem_raw);
   const auto sk = [&](int buf) { return smem_tile<D>{sm + (2 * buf) * 64 * D}; };
   const auto sv = [&](int buf) { return smem_tile<D>{sm + (2 * buf + 1) * 64 * D}; };
 
@@ -310,6 +336,7 @@ template <class E, int D> __global__ void VSA_LINEAR_BOUNDS((band_layout<E, D>::
     for (int r = 0; r < R; ++r) zs[k][r] = 0.f;
   }
   float vs[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  float zk[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}; // z by columns of φ(K) (tn), as Σ v
   const int vrow = tid / vecs, vcol = tid % vecs;
   const int frow = wave_reduce::group_item(tid, tpr), fpart = wave_reduce::group_part(tid, tpr);
 
@@ -382,20 +409,35 @@ template <class E, int D> __global__ void VSA_LINEAR_BOUNDS((band_layout<E, D>::
 #pragma unroll
       for (int i = 0; i < 8; ++i) vs[i] += x[i];
     }
+    stores_to_matrix_fence(); // φ(K) was stored by this thread and is read by wgmma (tn)
     __syncthreads();
 
     // KV[d1 band] += φ(K)ᵀ[d1 band, 64 tokens] · V[64 tokens, D]; z[d1] = row sums of the same operand.
+    if constexpr (layer_tn) {
+      // Warpgroup g owns d1 = 64g … 64g+63, panel g of the φ(K) tile, which wgmma reads transposed. z is
+      // then the column sums of the same rounded tile, taken like Σ v by (row group, chunk) threads.
+      static_assert(bands == 1 && L::warps % 4 == 0, "one 16-row band per warp, whole warpgroups");
+      M::tn(acc[0], kt, warp / 4, vt);
 #pragma unroll
-    for (int k = 0; k < bands; ++k) {
-      const int d0 = (warp * bands + k) * 16;
-      typename M::score_tile st;
+      for (int r = 0; r < rows_per_group; ++r) {
+        float x[8];
+        unpack<E>(*reinterpret_cast<const uint4*>(kt.chunk(vrow + r * groups, vcol)), x);
 #pragma unroll
-      for (int e = 0; e < M::score_elems; ++e) {
-        const float x = E::to_float(*kt.at(M::elem_col(e), d0 + M::elem_row(e)));
-        st.x[e] = x;
-        zs[k][M::elem_slot(e)] += x;
+        for (int i = 0; i < 8; ++i) zk[i] += x[i];
       }
-      M::nn(acc[k], st, vt);
+    } else {
+#pragma unroll
+      for (int k = 0; k < bands; ++k) {
+        const int d0 = (warp * bands + k) * 16;
+        typename M::score_tile st;
+#pragma unroll
+        for (int e = 0; e < M::score_elems; ++e) {
+          const float x = E::to_float(*kt.at(M::elem_col(e), d0 + M::elem_row(e)));
+          st.x[e] = x;
+          zs[k][M::elem_slot(e)] += x;
+        }
+        M::nn(acc[k], st, vt);
+      }
     }
     if (stages == 1) {
       __syncthreads(); // every warp is done with the only stage before it is refilled
@@ -414,22 +456,31 @@ template <class E, int D> __global__ void VSA_LINEAR_BOUNDS((band_layout<E, D>::
     for (int e = 0; e < M::out_elems; e += 2)
       *reinterpret_cast<float2*>(rec + (d0 + M::elem_row(e)) * D + M::elem_col(e)) =
           make_float2(acc[k].x[e], acc[k].x[e + 1]);
+    if constexpr (!layer_tn) {
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const float total = M::row_sum(zs[k][r]);
-      if (M::row_leader()) rec[record<D>::first + d0 + M::slot_row(r)] = total;
+      for (int r = 0; r < R; ++r) {
+        const float total = M::row_sum(zs[k][r]);
+        if (M::row_leader()) rec[record<D>::first + d0 + M::slot_row(r)] = total;
+      }
     }
   }
-  // Σ v: the row groups' partial sums, added in group order through shared memory.
+  // Σ v (and z by columns): the row groups' partial sums, added in group order through shared memory.
   __syncthreads();
   float* red = reinterpret_cast<float*>(smem_raw);
 #pragma unroll
-  for (int i = 0; i < 8; ++i) red[vrow * D + vcol * 8 + i] = vs[i];
+  for (int i = 0; i < 8; ++i) {
+    red[vrow * D + vcol * 8 + i] = vs[i];
+    if (layer_tn) red[(groups + vrow) * D + vcol * 8 + i] = zk[i];
+  }
   __syncthreads();
   if (tid < D) {
-    float total = 0.f;
-    for (int g = 0; g < groups; ++g) total += red[g * D + tid];
+    float total = 0.f, z = 0.f;
+    for (int g = 0; g < groups; ++g) {
+      total += red[g * D + tid];
+      if (layer_tn) z += red[(groups + g) * D + tid];
+    }
     rec[record<D>::second + tid] = total;
+    if (layer_tn) rec[record<D>::first + tid] = z;
   }
 }
 
@@ -494,8 +545,8 @@ struct apply_params {
 
 template <class E, int D> struct apply_shape {
   static constexpr int threads = 4 * warp_mma<E, D>::threads;
-  static constexpr int smem = (D / 64 + copy_stages) * smem_tile<D>::bytes;
-  static_assert(smem <= max_block_smem, "apply tiles do not fit");
+  static constexpr int smem(bool hopper) { return (D / 64 + copy_stages) * smem_tile<D>::bytes + tile_slack(hopper); }
+  static_assert(smem(true) <= max_block_smem, "apply tiles do not fit");
 };
 
 // Per row of the band (slot) of features a = φ(q): a·z and 1 / (a·z + eps).
@@ -521,13 +572,15 @@ __device__ __forceinline__ void query_weights(typename warp_mma<E, D>::score_til
 
 template <class E, int D> __global__ void VSA_LINEAR_BOUNDS((apply_shape<E, D>::threads), (D == 128 ? 2 : 4))
     apply_kernel(apply_params p) {
-  using M = warp_mma<E, D>;
+  using M = attention_mma<E, D>;
   constexpr int nthreads = apply_shape<E, D>::threads;
   constexpr int R = M::rows_per_lane, T = D / 64;
   constexpr int stages = copy_stages;
 
+  // KVn (D/64 tiles of 64 rows d1, the k axis of nn) is copied once with cp.async in the tile layout and
+  // fenced by copy_wait, so wgmma reads it as nn's B as it stands.
   extern __shared__ uint4 smem_raw[];
-  uint16_t* sm = reinterpret_cast<uint16_t*>(smem_raw);
+  uint16_t* sm = VSA_LINEAR_TILES(smem_raw);
   const auto skv = [&](int c) { return smem_tile<D>{sm + c * 64 * D}; };
   const auto sq = [&](int buf) { return smem_tile<D>{sm + (T + buf) * 64 * D}; };
 
@@ -620,8 +673,12 @@ struct query_grad_params {
 template <class E, int D> struct query_grad_shape {
   using L = band_layout<E, D>;
   static constexpr int threads = L::threads;
-  static constexpr int stages = (D / 64 + 2 * copy_stages) * smem_tile<D>::bytes <= max_block_smem ? copy_stages : 1;
-  static constexpr int smem = (D / 64 + 2 * stages) * smem_tile<D>::bytes;
+  // Decided with the Hopper slack counted, so that host and device agree whatever the code runs as.
+  static constexpr int stages =
+      (D / 64 + 2 * copy_stages) * smem_tile<D>::bytes + smem_slack <= max_block_smem ? copy_stages : 1;
+  static constexpr int smem(bool hopper) { return (D / 64 + 2 * stages) * smem_tile<D>::bytes + tile_slack(hopper); }
+  static_assert(smem(true) <= max_block_smem, "query-gradient tiles do not fit");
+  static_assert(threads / (D / 2) * D * 4 <= smem(false), "dz̄ scratch does not fit");
 };
 
 // Per 64-token tile. The first four warps take 16 rows each: dq_i = φ'(q_i)ᵀ da_i with (module comment;
@@ -634,15 +691,20 @@ template <class E, int D> struct query_grad_shape {
 // the register limit; everything else stays in fp32.
 template <class E, int D> __global__ void VSA_LINEAR_BOUNDS((band_layout<E, D>::threads), (D == 128 ? 1 : 2))
     query_grad_kernel(query_grad_params p) {
-  using M = warp_mma<E, D>;
+  using M = attention_mma<E, D>;
   using L = band_layout<E, D>;
   constexpr int nthreads = L::threads;
   constexpr int R = M::rows_per_lane, T = D / 64;
   constexpr int bands = L::bands;
   constexpr int stages = query_grad_shape<E, D>::stages;
+  // dz̄ by columns of A (tn): thread = (16-row group, pair of columns); two accumulators, not the eight of
+  // a 16-byte chunk, since this kernel has no registers to spare. A warp reads 64 columns of one row at a
+  // time (one 128-byte panel row, no bank conflict), and its g is one broadcast.
+  constexpr int pairs = D / 2, groups = nthreads / pairs, rows_per_group = 64 / groups;
+  static_assert(nthreads % pairs == 0 && 64 % groups == 0 && pairs % 32 == 0, "thread layout");
 
   extern __shared__ uint4 smem_raw[];
-  uint16_t* sm = reinterpret_cast<uint16_t*>(smem_raw);
+  uint16_t* sm = VSA_LINEAR_TILES(smem_raw);
   const auto skv = [&](int c) { return smem_tile<D>{sm + c * 64 * D}; };
   const auto sq = [&](int buf) { return smem_tile<D>{sm + (T + 2 * buf) * 64 * D}; };      // Q, then φ(Q) z / den
   const auto sdo = [&](int buf) { return smem_tile<D>{sm + (T + 2 * buf + 1) * 64 * D}; }; // dO
@@ -678,6 +740,8 @@ template <class E, int D> __global__ void VSA_LINEAR_BOUNDS((band_layout<E, D>::
 #pragma unroll
     for (int r = 0; r < R; ++r) zs[k][r] = 0.f;
   }
+  float zk[2] = {0.f, 0.f};
+  const int zpair = tid % pairs, zrow = (tid / pairs) * rows_per_group;
 
   for (int64_t c = begin; c < end; ++c) {
     const int buf = stages == 2 ? static_cast<int>((c - begin) & 1) : 0;
@@ -775,21 +839,35 @@ template <class E, int D> __global__ void VSA_LINEAR_BOUNDS((band_layout<E, D>::
         const int row = row0 + M::slot_row(r);
         if (M::row_leader()) rows[row] = row < valid ? gk[r] : 0.f;
       }
+      stores_to_matrix_fence(); // A was stored by this thread and is read by wgmma (tn)
     }
     __syncthreads();
 
     // dKV[d1 band] += Aᵀ[d1 band, tokens] · dO[tokens, D], dz̄[d1] += Aᵀ[d1, tokens] · g.
+    if constexpr (layer_tn) {
+      // Warpgroup g owns d1 = 64g … 64g+63, panel g of the A tile, read transposed by wgmma; dz̄ by columns.
+      static_assert(bands == 1 && L::warps % 4 == 0, "one 16-row band per warp, whole warpgroups");
+      M::tn(acc[0], qt, warp / 4, dot);
 #pragma unroll
-    for (int k = 0; k < bands; ++k) {
-      const int d0 = (warp * bands + k) * 16;
-      typename M::score_tile st;
-#pragma unroll
-      for (int e = 0; e < M::score_elems; ++e) {
-        const float x = E::to_float(*qt.at(M::elem_col(e), d0 + M::elem_row(e)));
-        st.x[e] = x;
-        zs[k][M::elem_slot(e)] += x * rows[M::elem_col(e)];
+      for (int r = 0; r < rows_per_group; ++r) {
+        const float g = rows[zrow + r];
+        const uint32_t w = *reinterpret_cast<const uint32_t*>(qt.at(zrow + r, 2 * zpair));
+        zk[0] += E::to_float(static_cast<uint16_t>(w & 0xffffu)) * g;
+        zk[1] += E::to_float(static_cast<uint16_t>(w >> 16)) * g;
       }
-      M::nn(acc[k], st, dot);
+    } else {
+#pragma unroll
+      for (int k = 0; k < bands; ++k) {
+        const int d0 = (warp * bands + k) * 16;
+        typename M::score_tile st;
+#pragma unroll
+        for (int e = 0; e < M::score_elems; ++e) {
+          const float x = E::to_float(*qt.at(M::elem_col(e), d0 + M::elem_row(e)));
+          st.x[e] = x;
+          zs[k][M::elem_slot(e)] += x * rows[M::elem_col(e)];
+        }
+        M::nn(acc[k], st, dot);
+      }
     }
     if (stages == 1 && c + 1 < end) {
       __syncthreads(); // every warp is done with the only stage before it is refilled
@@ -807,10 +885,26 @@ template <class E, int D> __global__ void VSA_LINEAR_BOUNDS((band_layout<E, D>::
     for (int e = 0; e < M::out_elems; e += 2)
       *reinterpret_cast<float2*>(rec + (d0 + M::elem_row(e)) * D + M::elem_col(e)) =
           make_float2(acc[k].x[e], acc[k].x[e + 1]);
+    if constexpr (!layer_tn) {
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const float total = M::row_sum(zs[k][r]);
-      if (M::row_leader()) rec[record<D>::first + d0 + M::slot_row(r)] = total;
+      for (int r = 0; r < R; ++r) {
+        const float total = M::row_sum(zs[k][r]);
+        if (M::row_leader()) rec[record<D>::first + d0 + M::slot_row(r)] = total;
+      }
+    }
+  }
+  if constexpr (layer_tn) {
+    // dz̄: the row groups' partial column sums, added in group order through shared memory.
+    __syncthreads();
+    float* red = reinterpret_cast<float*>(sm);
+    const int group = tid / pairs;
+    red[group * D + 2 * zpair] = zk[0];
+    red[group * D + 2 * zpair + 1] = zk[1];
+    __syncthreads();
+    if (tid < D) {
+      float total = 0.f;
+      for (int g = 0; g < groups; ++g) total += red[g * D + tid];
+      rec[record<D>::first + tid] = total;
     }
   }
 }
@@ -880,21 +974,23 @@ struct key_grad_params {
 
 template <class E, int D> struct key_grad_shape {
   static constexpr int threads = 4 * warp_mma<E, D>::threads;
-  static constexpr int smem = (D / 64 + 2 * copy_stages) * smem_tile<D>::bytes;
-  static_assert(smem <= max_block_smem, "key-gradient tiles do not fit");
+  static constexpr int smem(bool hopper) {
+    return (D / 64 + 2 * copy_stages) * smem_tile<D>::bytes + tile_slack(hopper);
+  }
+  static_assert(smem(true) <= max_block_smem, "key-gradient tiles do not fit");
 };
 
 // dv_j = Σ_d1 φ(k_j)[d1] dKV[d1, :] = β_j Σ_d1 P̂[j, d1] dKVn[d1, :] (P = φ(k_j) σ', P̂ = P / β_j), and
 // dk_j = φ'(k_j)ᵀ db_j with db_j[d1] = σ'[d1] (dKVn (v_j − m))[d1] + dz̄[d1].
 template <class E, int D> __global__ void VSA_LINEAR_BOUNDS((key_grad_shape<E, D>::threads), (D == 128 ? 2 : 4))
     key_grad_kernel(key_grad_params p) {
-  using M = warp_mma<E, D>;
+  using M = attention_mma<E, D>;
   constexpr int nthreads = key_grad_shape<E, D>::threads;
   constexpr int R = M::rows_per_lane, T = D / 64;
   constexpr int stages = copy_stages;
 
   extern __shared__ uint4 smem_raw[];
-  uint16_t* sm = reinterpret_cast<uint16_t*>(smem_raw);
+  uint16_t* sm = VSA_LINEAR_TILES(smem_raw);
   const auto sg = [&](int c) { return smem_tile<D>{sm + c * 64 * D}; };
   const auto sk = [&](int buf) { return smem_tile<D>{sm + (T + 2 * buf) * 64 * D}; };
   const auto sv = [&](int buf) { return smem_tile<D>{sm + (T + 2 * buf + 1) * 64 * D}; };
@@ -937,6 +1033,7 @@ template <class E, int D> __global__ void VSA_LINEAR_BOUNDS((key_grad_shape<E, D
       for (int j = 0; j < 8; ++j) x[j] -= m[cc * 8 + j];
       *at = pack<E>(x);
     }
+    stores_to_matrix_fence(); // v − m is nt's A, read by wgmma after the barrier below
 
     typename M::score_tile f[T];
     load_band<E, D, T>(f, kt, row0);
