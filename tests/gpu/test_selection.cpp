@@ -156,6 +156,9 @@ TEST_CASE("select_top_k matches the reference", "[gpu][selection]") {
       {{5, 6, 7}, 1, 3},    // N = 8, partial tiles
       {{9, 10, 11}, 2, 2},  // N = 27
       {{21, 30, 52}, 1, 2}, // N = 624, the wan2.1 anchor's rows
+      {{31, 22, 40}, 1, 2}, // N = 480, the wan2.2 anchor's rows
+      {{48, 32, 32}, 1, 1}, // N = 768, the fastvideo anchor's rows
+      {{32, 32, 64}, 1, 1}, // N = 1024: the longest row of 8 scores per thread
       {{48, 48, 32}, 1, 1}, // N = 1152: 32 scores per thread, in registers
       {{20, 20, 36}, 2, 1}, // N = 225 (not a multiple of 4: scalar loads)
   };
