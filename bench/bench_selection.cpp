@@ -161,8 +161,8 @@ struct coarse_inputs {
       : m(s), sel(s), o_c(static_cast<std::size_t>(m.in.means_bytes(m.in.p.q_heads))),
         lse_c(m.in.p.batch * m.in.p.q_heads * m.in.n * 4), scale(1.f / std::sqrt(float(m.in.p.head_dim))) {}
   void coarse() {
-    check(coarse_attention(m.in.p, scale, m.q_c.get(), m.k_c.get(), m.v_c.get(), sel.scores.get<float>(),
-                           o_c.get(), lse_c.get<float>(), nullptr),
+    check(coarse_attention(m.in.p, scale, m.q_c.get(), m.k_c.get(), m.v_c.get(), sel.scores.get<float>(), o_c.get(),
+                           lse_c.get<float>(), nullptr),
           "coarse_attention");
   }
 };

@@ -115,10 +115,8 @@ template <class E, int D> status make_plan(const problem& p, token_order order, 
   w.heads_kv = p.batch * p.kv_heads;
   w.heads_q = p.batch * p.q_heads;
   // All the kernels are built for the same architectures; the state kernel's binary version stands for them.
-  int version = 0;
-  status s = runtime_status(kernel_binary_version(state_kernel<E, D>, &version), "querying the state kernel");
+  status s = runs_as_hopper(state_kernel<E, D>, w.hopper);
   if (!s) return s;
-  w.hopper = version >= 90;
   int64_t slots = 0;
   s = resident_blocks(state_kernel<E, D>, state_shape<E, D>::threads, state_shape<E, D>::smem(w.hopper), slots);
   if (!s) return s;

@@ -82,6 +82,15 @@ inline status runtime_status(error_t e, const char* what) {
   return status::ok();
 }
 
+// Whether a kernel runs as Hopper code (sm_90 and later), which decides its pipeline and so its shared memory
+// (smem_plan: the device side asks hopper_code, the host the binary version of the code the kernel runs as).
+template <class Kernel> status runs_as_hopper(Kernel k, bool& hopper) {
+  int version = 0;
+  const status st = runtime_status(kernel_binary_version(k, &version), "querying a kernel's binary version");
+  hopper = version >= 90;
+  return st;
+}
+
 // ---- device-side intrinsics ----------------------------------------------------------------------------
 
 #if VSA_PLATFORM_AMD

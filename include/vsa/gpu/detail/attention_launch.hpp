@@ -25,15 +25,6 @@ template <class F> status dispatch(dtype t, int64_t d, F&& f) {
   return status::error(errc::bad_argument, "no kernel for %s with head dim %lld", dtype_name(t), (long long)d);
 }
 
-// Whether a kernel runs as Hopper code (sm_90 and later), which decides its pipeline and so its shared memory
-// (smem_plan: the device side asks hopper_code, the host the binary version of the code the kernel runs as).
-template <class Kernel> status runs_as_hopper(Kernel k, bool& hopper) {
-  int version = 0;
-  const status st = runtime_status(kernel_binary_version(k, &version), "querying the attention kernel");
-  hopper = version >= 90;
-  return st;
-}
-
 template <class Kernel> status prepare(Kernel k, int smem_bytes) {
   // Raising the dynamic shared-memory limit is idempotent and cheap; doing it on every launch keeps the
   // library free of global state.
