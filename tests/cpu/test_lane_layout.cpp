@@ -716,3 +716,18 @@ TEST_CASE("amd lane layout: online softmax of every lane, computed transposed, a
   online_softmax<amd_layout, 64>(rng);
   online_softmax<amd_layout, 128>(rng);
 }
+
+// The coarse pass stores the scores two at a time (attention_forward.hpp): accumulator elements e and e + 1,
+// e even, must be neighbours in one row in every layout (the Hopper accumulator uses the NVIDIA one).
+TEST_CASE("accumulator elements pair up as row neighbours", "[cpu]") {
+  for (int l = 0; l < nv::lanes; ++l)
+    for (int e = 0; e < 32; e += 2) {
+      CHECK(nv::elem_row(l, e + 1) == nv::elem_row(l, e));
+      CHECK(nv::elem_col(l, e + 1) == nv::elem_col(l, e) + 1);
+    }
+  for (int l = 0; l < amd::lanes; ++l)
+    for (int e = 0; e < 16; e += 2) {
+      CHECK(amd::elem_row(l, e + 1) == amd::elem_row(l, e));
+      CHECK(amd::elem_col(l, e + 1) == amd::elem_col(l, e) + 1);
+    }
+}

@@ -158,9 +158,10 @@ TEST_CASE("select_top_k matches the reference", "[gpu][selection]") {
       {{21, 30, 52}, 1, 2}, // N = 624, the wan2.1 anchor's rows
       {{31, 22, 40}, 1, 2}, // N = 480, the wan2.2 anchor's rows
       {{48, 32, 32}, 1, 1}, // N = 768, the fastvideo anchor's rows
-      {{32, 32, 64}, 1, 1}, // N = 1024: the longest row of 8 scores per thread
-      {{48, 48, 32}, 1, 1}, // N = 1152: 32 scores per thread, in registers
+      {{32, 32, 64}, 1, 1}, // N = 1024: the longest row a warp holds
+      {{48, 48, 32}, 1, 1}, // N = 1152: a block a row, in registers
       {{20, 20, 36}, 2, 1}, // N = 225 (not a multiple of 4: scalar loads)
+      {{4, 36, 36}, 1, 1},  // N = 81: the last lane holds one key, the rest of the warp none
   };
   for (const shape& s : shapes) {
     const int64_t n = tiles_of(s);

@@ -10,6 +10,8 @@
 //   fill:   per (head, chunk), every q2k entry (i, j) is written at
 //               offset(j) + base[chunk][j] + popcount(mask[chunk][j] & bits below i),
 //           which orders each list by i without atomics; the same blocks write k2q_offset and the -1 tail.
+// Where a head's masks fit in shared memory (N up to ~700 on AMD, ~870 on NVIDIA: every anchor shape), one
+// kernel does all three steps there instead (k2q_small_kernel, below).
 // The work is proportional to the entries plus (N/32)·N mask words per head: no dense N×N map is scanned.
 // Entries outside [0, N) are skipped and counts are clamped to [0, capacity], so malformed lists cannot
 // make the kernels write outside their outputs.
@@ -17,6 +19,7 @@
 
 #include "../geometry.hpp"
 #include "../validate.hpp"
+#include "arch/smem_tile.hpp"
 #include "primitives.hpp"
 
 namespace vsa {
@@ -205,6 +208,107 @@ template <int Threads = k2q_threads> __global__ void __launch_bounds__(Threads) 
   }
 }
 
+// Heads of up to k2q_small_max_n tiles, whose masks fit in shared memory: one kernel instead of the three,
+// no scratch and no round trip through global memory between them. Each block builds its head's masks
+// itself (one pass over the head's q2k lists, about 150 KB from L2 on wan2.1), takes the column totals and
+// their scan, and then writes the lists of k2q_small_columns key tiles: a warp a key tile, a lane a chunk
+// of 32 query tiles, whose set bits it writes in order after the earlier chunks' (a warp scan of the
+// popcounts). Blocks of one head repeat the marking and split only the writing: the marking is short, and
+// more blocks fill more SMs. On the H200 (wan2.1): 20.9 µs against 25.9 for the three kernels
+// (bench/NOTES-selection.md).
+inline constexpr int k2q_small_threads = 1024;
+inline constexpr int k2q_small_columns = 128;
+inline constexpr int k2q_small_rows = 16;        // rows a warp loads before it marks them: 512 a pass for the block
+inline constexpr int64_t k2q_small_max_n = 1024; // at most 32 chunks: one lane each
+inline std::size_t k2q_small_smem(int64_t n) {
+  return static_cast<std::size_t>((n + k2q_chunk - 1) / k2q_chunk * n + 2 * n) * 4; // masks, counts, offsets
+}
+inline bool k2q_small_fits(int64_t n) {
+  return n <= k2q_small_max_n && k2q_small_smem(n) + 1024 <= static_cast<std::size_t>(max_block_smem);
+}
+
+// A template only so that the header can be included by several translation units (one definition).
+template <int Threads = k2q_small_threads> __global__ void __launch_bounds__(Threads) k2q_small_kernel(k2q_params p) {
+  using scan = block_scan<int32_t, Threads>;
+  constexpr int warps = Threads / warp_size;
+  __shared__ typename scan::TempStorage temp;
+  __shared__ int32_t head_total;
+  extern __shared__ uint4 smem_raw[];
+  const int n = static_cast<int>(p.n), chunks = static_cast<int>(p.chunks), cap = static_cast<int>(p.capacity);
+  uint32_t* bits = reinterpret_cast<uint32_t*>(smem_raw); // [chunks][n]
+  int32_t* counts = reinterpret_cast<int32_t*>(bits + chunks * n);
+  int32_t* offsets = counts + n;
+  const int tid = static_cast<int>(threadIdx.x), lane = tid % warp_size, warp = tid / warp_size;
+  const int ranges = (n + k2q_small_columns - 1) / k2q_small_columns;
+  for (int64_t item = blockIdx.x; item < p.heads * ranges; item += gridDim.x) {
+    const int64_t head = item / ranges;
+    const int range = static_cast<int>(item % ranges);
+
+    for (int w = tid; w < chunks * n; w += Threads) bits[w] = 0u;
+    for (int i = tid; i < n; i += Threads) {
+      const int32_t c = p.q2k_count[head * n + i];
+      counts[i] = c < 0 ? 0 : (c > cap ? cap : c);
+    }
+    __syncthreads();
+
+    // Marks: a warp takes k2q_small_rows rows at a time (one chunk: the row group never straddles two), a
+    // lane a slot of each; all loads before any OR, and no branch around them (a slot past its row's count
+    // loads entry 0 and drops it), so that they are in flight together. Offsets fit 32 bits: N·capacity
+    // < 2^31 is checked on the host.
+    const int32_t* entries = p.q2k + head * n * cap;
+    static_assert(k2q_chunk % k2q_small_rows == 0, "a row group stays inside one chunk");
+    for (int i0 = warp * k2q_small_rows; i0 < n; i0 += warps * k2q_small_rows) {
+      uint32_t* mask = bits + (i0 / k2q_chunk) * n;
+      for (int t = lane; t < cap; t += warp_size) {
+        int32_t j[k2q_small_rows];
+#pragma unroll
+        for (int u = 0; u < k2q_small_rows; ++u) {
+          const int i = i0 + u;
+          const bool ok = i < n && t < counts[i < n ? i : n - 1];
+          const int32_t e = entries[ok ? i * cap + t : 0];
+          j[u] = ok ? e : -1;
+        }
+#pragma unroll
+        for (int u = 0; u < k2q_small_rows; ++u)
+          if (j[u] >= 0 && j[u] < n) atomicOr(&mask[j[u]], 1u << ((i0 + u) % k2q_chunk));
+      }
+    }
+    __syncthreads();
+
+    // List lengths of every key tile (n <= Threads: one a thread) and their exclusive scan.
+    int32_t total = 0;
+    if (tid < n)
+      for (int c = 0; c < chunks; ++c) total += __popc(bits[c * n + tid]);
+    int32_t before, sum;
+    scan(temp).exclusive_sum(total, before, sum);
+    if (tid < n) offsets[tid] = before;
+    if (tid == 0) head_total = sum;
+    __syncthreads();
+
+    int32_t* lists = p.k2q + head * n * cap;
+    int32_t* offset = p.k2q_offset + head * (n + 1);
+    const int lo = range * k2q_small_columns, hi = lo + k2q_small_columns < n ? lo + k2q_small_columns : n;
+    for (int j = lo + warp; j < hi; j += warps) {
+      uint32_t m = lane < chunks ? bits[lane * n + j] : 0u;
+      const uint32_t mine = __popc(m);
+      uint32_t start = mine;
+#pragma unroll
+      for (int d = 1; d < warp_size; d *= 2) {
+        const uint32_t v = shfl_up(start, d);
+        if (lane >= d) start += v;
+      }
+      int32_t* out = lists + offsets[j] + (start - mine);
+      for (; m != 0u; m &= m - 1u) *out++ = lane * k2q_chunk + __ffs(m) - 1;
+      if (lane == 0) offset[j] = offsets[j];
+    }
+    if (range == ranges - 1) {
+      if (tid == 0) offset[n] = head_total;
+      for (int64_t s = head_total + tid; s < static_cast<int64_t>(n) * cap; s += Threads) lists[s] = -1;
+    }
+    __syncthreads(); // shared arrays are rewritten by the next item
+  }
+}
+
 } // namespace detail
 } // namespace gpu
 
@@ -255,6 +359,15 @@ inline status build_k2q(const problem& p, index_lists idx, void* workspace, std:
                     layout.chunks,
                     layout.columns,
                     layout.count_blocks};
+  if (gd::k2q_small_fits(n)) {
+    const int smem = static_cast<int>(gd::k2q_small_smem(n));
+    if (!(s = gpu::runtime_status(gpu::allow_dynamic_shared(gd::k2q_small_kernel<>, smem),
+                                  "setting build_k2q's shared-memory size")))
+      return s;
+    const int64_t ranges = (n + gd::k2q_small_columns - 1) / gd::k2q_small_columns;
+    gd::k2q_small_kernel<><<<gd::grid_blocks(layout.heads * ranges), gd::k2q_small_threads, smem, stream>>>(kp);
+    return gpu::launch_status("build_k2q");
+  }
   const int64_t ranges = (layout.columns + gd::k2q_mark_columns - 1) / gd::k2q_mark_columns;
   gd::k2q_mark_kernel<><<<gd::grid_blocks(layout.heads * layout.chunks * ranges), gd::k2q_threads, 0, stream>>>(kp);
   if (!(s = gpu::launch_status("build_k2q (mark)"))) return s;

@@ -113,6 +113,38 @@ template <class T> __device__ __forceinline__ T shfl(T v, int lane) {
   return __shfl_sync(0xffffffffu, v, lane);
 #endif
 }
+template <class T> __device__ __forceinline__ T shfl_up(T v, int delta) {
+#if VSA_PLATFORM_AMD
+  return __shfl_up(v, delta);
+#else
+  return __shfl_up_sync(0xffffffffu, v, delta);
+#endif
+}
+
+// Sum, minimum and maximum of an unsigned value over the whole warp, in every lane. On NVIDIA sm_80 and later
+// each is one instruction (redux.sync); elsewhere a butterfly of shuffles.
+#if VSA_PLATFORM_NVIDIA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+__device__ __forceinline__ uint32_t warp_sum(uint32_t v) { return __reduce_add_sync(0xffffffffu, v); }
+__device__ __forceinline__ uint32_t warp_min(uint32_t v) { return __reduce_min_sync(0xffffffffu, v); }
+__device__ __forceinline__ uint32_t warp_max(uint32_t v) { return __reduce_max_sync(0xffffffffu, v); }
+#else
+__device__ __forceinline__ uint32_t warp_sum(uint32_t v) {
+#pragma unroll
+  for (int m = warp_size / 2; m > 0; m /= 2) v += shfl_xor(v, m);
+  return v;
+}
+__device__ __forceinline__ uint32_t warp_min(uint32_t v) {
+#pragma unroll
+  for (int m = warp_size / 2; m > 0; m /= 2) v = min(v, shfl_xor(v, m));
+  return v;
+}
+__device__ __forceinline__ uint32_t warp_max(uint32_t v) {
+#pragma unroll
+  for (int m = warp_size / 2; m > 0; m /= 2) v = max(v, shfl_xor(v, m));
+  return v;
+}
+#endif
+
 // 2^x on the special-function unit; exp2(-inf) = 0, which the masking relies on.
 __device__ __forceinline__ float fast_exp2(float x) {
 #if VSA_PLATFORM_AMD

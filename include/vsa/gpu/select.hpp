@@ -1,20 +1,23 @@
 // Stage 4 on the GPU: the top-k key tiles of every row of the coarse scores.
 //
-// One block per row runs an exact radix select. Scores become 32-bit keys whose unsigned order is the
-// ranking (NaN lowest, -0 equal to +0). Up to four passes of an 8-bit digit, most significant first, each
-// build a histogram of the keys that still match the digits chosen so far and pick the digit holding the
-// k-th largest key; a pass stops early once every key of the chosen digit is taken. What is left is a
-// threshold: keys above it are taken, and of the keys equal to it the lowest-indexed ones, as many as are
-// still needed. A final block-wide scan over the row in index order gives each taken tile its place, so
-// the row comes out ascending without a sort.
+// Scores become 32-bit keys whose unsigned order is the ranking (NaN lowest, -0 equal to +0). Both kernels
+// find a threshold key: keys above it are taken, and of the keys equal to it the lowest-indexed ones, as many
+// as are still needed; a scan over the row in index order then gives each taken tile its place, so the row
+// comes out ascending without a sort.
 //
-// Rows of up to 32 tiles per thread stay in registers across the passes; longer rows are re-read from
-// global memory (L2) in each pass, so N is bounded only by the int32 index lists, not by shared memory.
+// Rows of up to 1024 tiles (every anchor shape) take one warp each, the row in registers (top_k_warp_kernel,
+// below). Longer rows take a block each, which runs an exact radix select: up to four passes of an 8-bit
+// digit, most significant first, each build a histogram of the keys that still match the digits chosen so
+// far and pick the digit holding the k-th largest key; a pass stops early once every key of the chosen digit
+// is taken. Rows of up to 32 tiles per thread stay in registers across the passes; longer rows are re-read
+// from global memory (L2) in each pass, so N is bounded only by the int32 index lists, not by shared memory.
 #pragma once
 
 #include "../geometry.hpp"
 #include "../validate.hpp"
 #include "primitives.hpp"
+
+#include <cmath>
 
 namespace vsa {
 namespace gpu {
@@ -24,12 +27,19 @@ inline constexpr int top_k_threads = 128;
 inline constexpr int top_k_bins = 256; // one 8-bit digit
 inline constexpr int top_k_bins_per_thread = top_k_bins / top_k_threads;
 
-// Unsigned key in ranking order: larger scores give larger keys; -0 and +0 give the same key; NaN gives 0,
-// below the key of -inf (0x007fffff), so NaNs rank below every number and tie among themselves.
+// Unsigned key in ranking order: larger scores give larger keys; -0 and +0 give the same key; NaN gives 1,
+// below the key of -inf (0x007fffff), so NaNs rank below every number and tie among themselves. Key 0 is
+// left to the warp kernel's empty slots, below every score.
 __device__ __forceinline__ uint32_t score_key(float x) {
-  if (x != x) return 0u;
+  if (x != x) return 1u;
   const uint32_t bits = x == 0.0f ? 0u : __float_as_uint(x);
   return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+
+// The number a key stands for (the inverse of score_key; -0 comes back as +0). Keys 0 and 1 (NaN) and keys
+// above +inf's give NaN.
+__device__ __forceinline__ float key_value(uint32_t key) {
+  return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
 }
 
 struct top_k_params {
@@ -40,7 +50,19 @@ struct top_k_params {
   int32_t* q2k_count;
   int64_t capacity;
   bool vector_loads; // n % 4 == 0 and scores 16-byte aligned
+  float z;           // the warp kernel's first guess: mean + z · standard deviation (top_k_first_guess)
 };
+
+// Where the k-th largest of n normal scores lies, in standard deviations from their mean: the upper-tail
+// quantile of (k - 1/2) / n (Abramowitz and Stegun 26.2.23, error below 5e-4; it only places the warp
+// kernel's first candidate, so any value is correct, a close one fast).
+inline float top_k_first_guess(int64_t n, int64_t k) {
+  const double q = (static_cast<double>(k) - 0.5) / static_cast<double>(n), p = q < 0.5 ? q : 1.0 - q;
+  const double t = std::sqrt(-2.0 * std::log(p));
+  const double x =
+      t - (2.515517 + t * (0.802853 + t * 0.010328)) / (1.0 + t * (1.432788 + t * (0.189269 + t * 0.001308)));
+  return static_cast<float>(q < 0.5 ? x : -x);
+}
 
 template <int Items> __global__ void __launch_bounds__(top_k_threads) top_k_kernel(top_k_params p) {
   constexpr int threads = top_k_threads, chunk = threads * Items;
@@ -152,6 +174,150 @@ template <int Items> __global__ void __launch_bounds__(top_k_threads) top_k_kern
   }
 }
 
+// Rows of up to top_k_warp_max_n tiles: one warp a row, the whole row in registers in blocked order (lane l
+// holds tiles l·Items ... l·Items + Items - 1), no shared memory and no block barrier, so that as many rows
+// are in flight as the SM holds warps. The threshold is the key T with count(key >= T) >= k > count(key > T),
+// found on an interval [lo, hi) of keys that always satisfies count(>= lo) >= k > count(>= hi): each step
+// counts the keys at or above one candidate (a compare a key and one warp-wide sum) and moves an end to it.
+// The first two candidates assume a normal row (mean + z·sd, z from the host); then the candidate is where
+// the count would cross k - 1/2 if it fell linearly in the score between the ends (false position, with
+// the Illinois rule against one end staying put; in the score, not in the key: keys are bit patterns, far
+// from linear across exponents). Simulated on normal rows of 480-768 scores that takes ~4.8 steps, against
+// ~15 for a bisection of the key bits (exponential rows ~4.7, uniform ~5). After top_k_interpolation_steps,
+// and wherever an end is not a finite number, the key interval is bisected instead, so no input (ties,
+// infinities, NaN) takes more than ~48 steps. The search stops early when some candidate has exactly k keys
+// at or above it. On the H200 (wan2.1, 624 tiles a row): 21.5 µs against 36-39 for the block kernel
+// (bench/NOTES-selection.md).
+inline constexpr int top_k_warp_max_n = 1024;
+inline constexpr int top_k_interpolation_steps = 16;
+
+template <int Items> __global__ void __launch_bounds__(top_k_threads) top_k_warp_kernel(top_k_params p) {
+  constexpr int warps = top_k_threads / warp_size;
+  const int lane = static_cast<int>(threadIdx.x) % warp_size;
+  const int first = lane * Items;
+  const int valid = p.n - first < 0 ? 0 : (p.n - first < Items ? p.n - first : Items);
+  const uint32_t k = static_cast<uint32_t>(p.k);
+  for (int64_t row = int64_t(blockIdx.x) * warps + threadIdx.x / warp_size; row < p.rows;
+       row += int64_t(gridDim.x) * warps) {
+    const float* src = p.scores + row * p.n + first;
+    // Slots past the row's end hold key 0, below every score's key (NaN's is 1), so they are never counted,
+    // never at the threshold and never taken: nothing below needs to know which slots are real.
+    uint32_t key[Items];
+    float sum = 0.f, squares = 0.f; // of the scores, for the first guess
+    if (Items % 4 == 0 && p.vector_loads && valid == Items) {
+#pragma unroll
+      for (int u = 0; u < Items; u += 4) {
+        const float4 f = *reinterpret_cast<const float4*>(src + u);
+        key[u] = score_key(f.x);
+        key[u + 1] = score_key(f.y);
+        key[u + 2] = score_key(f.z);
+        key[u + 3] = score_key(f.w);
+        sum += (f.x + f.y) + (f.z + f.w);
+        squares += (f.x * f.x + f.y * f.y) + (f.z * f.z + f.w * f.w);
+      }
+    } else {
+#pragma unroll
+      for (int u = 0; u < Items; ++u) {
+        const float f = u < valid ? src[u] : 0.f;
+        key[u] = u < valid ? score_key(f) : 0u;
+        sum += f;
+        squares += f * f;
+      }
+    }
+    uint32_t kmin = ~0u, kmax = 0u; // kmin of key - 1: the empty slots' 0 wraps to the top
+#pragma unroll
+    for (int u = 0; u < Items; ++u) {
+      kmin = min(kmin, key[u] - 1u);
+      kmax = max(kmax, key[u]);
+    }
+    const auto at_least = [&](uint32_t t) {
+      uint32_t c[4] = {0u, 0u, 0u, 0u}; // four chains of adds instead of one
+#pragma unroll
+      for (int u = 0; u < Items; ++u) c[u % 4] += key[u] >= t ? 1u : 0u;
+      return warp_sum(c[0] + c[1] + c[2] + c[3]);
+    };
+
+    // Keys never exceed 0xff800000 (+inf), so kmax + 1 does not wrap.
+    uint32_t lo = warp_min(kmin) + 1u, hi = warp_max(kmax) + 1u, c_lo = static_cast<uint32_t>(p.n), c_hi = 0u;
+    // The search is for where count(>= score) - (k - 1/2) changes sign: g_lo > 0 at lo, g_hi < 0 at hi.
+    float g_lo = static_cast<float>(c_lo) - static_cast<float>(k) + 0.5f, g_hi = 0.5f - static_cast<float>(k);
+    bool exact = c_lo == k;
+    // The first two candidates assume normal scores: mean + z·sd, then 0.1 sd further in the direction the
+    // first one's count points. Simulated on rows of 480-768 normal scores, this takes the search from ~7.4
+    // to ~4.8 steps (exponential scores ~4.7, uniform ~5; without the guess ~9 and ~4.5).
+#pragma unroll
+    for (int m = warp_size / 2; m > 0; m /= 2) {
+      sum += shfl_xor(sum, m);
+      squares += shfl_xor(squares, m);
+    }
+    const float mean = sum / static_cast<float>(p.n);
+    const float sd = sqrtf(fmaxf(squares / static_cast<float>(p.n) - mean * mean, 0.f));
+    int last = 0; // which end the previous step moved: 1 lo, 2 hi
+    for (int step = 0; !exact && hi - lo > 1u; ++step) {
+      const float v_lo = key_value(lo), v_hi = key_value(hi);
+      const float v = step == 0   ? mean + sd * p.z
+                      : step == 1 ? mean + sd * (last == 1 ? p.z + 0.1f : p.z - 0.1f)
+                                  : v_lo + __fdividef(g_lo, g_lo - g_hi) * (v_hi - v_lo);
+      uint32_t cand;
+      if (step >= top_k_interpolation_steps || (__float_as_uint(v) & 0x7f800000u) == 0x7f800000u) {
+        cand = lo + (hi - lo) / 2u; // v infinite or NaN (tested on the bits: safe under fast math)
+      } else {
+        const uint32_t x = score_key(v);
+        cand = x <= lo ? lo + 1u : (x >= hi ? hi - 1u : x);
+      }
+      const uint32_t c = at_least(cand);
+      const float g = static_cast<float>(c) - static_cast<float>(k) + 0.5f;
+      if (c >= k) {
+        if (last == 1 && step >= 2) g_hi *= 0.5f; // the Illinois rule: an end kept twice counts half
+        lo = cand, c_lo = c, g_lo = g, last = 1;
+      } else {
+        if (last == 2 && step >= 2) g_lo *= 0.5f;
+        hi = cand, c_hi = c, g_hi = g, last = 2;
+      }
+      exact = c == k;
+    }
+
+    // Exact: the keys >= lo, k of them. Otherwise hi = lo + 1: the c_hi keys above lo, and of the keys equal
+    // to lo the first k - c_hi in index order. Each lane marks its keys above and at the threshold in two
+    // bit masks, a warp scan of their popcounts gives its place, and it writes the tiles of its taken bits.
+    const uint32_t take_from = exact ? lo : hi, tie_need = exact ? 0u : k - c_hi;
+    uint32_t above = 0u, ties = 0u;
+#pragma unroll
+    for (int u = 0; u < Items; ++u) {
+      above |= key[u] >= take_from ? 1u << u : 0u;
+      ties |= key[u] == lo ? 1u << u : 0u;
+    }
+    ties &= ~above;
+    const uint32_t mine = (static_cast<uint32_t>(__popc(above)) << 16) | static_cast<uint32_t>(__popc(ties));
+    uint32_t before = mine; // (keys above << 16) | ties, in the lanes before; both at most 1024
+#pragma unroll
+    for (int d = 1; d < warp_size; d *= 2) {
+      const uint32_t v = shfl_up(before, d);
+      if (lane >= d) before += v;
+    }
+    before -= mine;
+    const uint32_t ties_before = before & 0xffffu;
+    // The ties this lane may still take: the first tie_need - ties_before of its tie bits.
+    for (uint32_t m = ties, left = tie_need > ties_before ? tie_need - ties_before : 0u; m != 0u; m &= m - 1u)
+      if (left-- == 0u) {
+        ties &= ~m; // m's lowest bit and all above it: past the quota
+        break;
+      }
+    int32_t* const list = p.q2k + row * p.capacity;
+    int32_t* out = list + (before >> 16) + min(ties_before, tie_need);
+    for (uint32_t m = above | ties; m != 0u; m &= m - 1u) *out++ = first + __ffs(m) - 1;
+    for (int64_t c = p.k + lane; c < p.capacity; c += warp_size) list[c] = -1;
+    if (lane == 0) p.q2k_count[row] = p.k;
+  }
+}
+
+// A row of top_k_warp_max_n tiles needs Items - 4 < top_k_warp_max_n / warp_size: wider kernels are never
+// launched, and are not compiled (on AMD's 64-lane wavefronts, Items above 16).
+template <int Items> void launch_top_k_warp(const top_k_params& p, unsigned blocks, stream_t stream) {
+  if constexpr ((Items - 4) * warp_size < top_k_warp_max_n)
+    top_k_warp_kernel<Items><<<blocks, top_k_threads, 0, stream>>>(p);
+}
+
 // No scratch is used. The size reported is not zero, so that a caller following the query-then-run
 // protocol passes a non-null pointer on the second call and the call runs.
 inline constexpr std::size_t top_k_workspace_bytes = 256;
@@ -190,12 +356,42 @@ inline status select_top_k(const problem& p, int64_t top_k, const float* scores,
                       idx.q2k,
                       idx.q2k_count,
                       idx.q2k_capacity,
-                      n % 4 == 0 && reinterpret_cast<std::uintptr_t>(scores) % 16 == 0};
-  const unsigned blocks = gd::grid_blocks(tp.rows);
-  if (n <= gd::top_k_threads * 8)
-    gd::top_k_kernel<8><<<blocks, gd::top_k_threads, 0, stream>>>(tp);
-  else
-    gd::top_k_kernel<32><<<blocks, gd::top_k_threads, 0, stream>>>(tp);
+                      n % 4 == 0 && reinterpret_cast<std::uintptr_t>(scores) % 16 == 0,
+                      gd::top_k_first_guess(n, top_k)};
+  if (n <= gd::top_k_warp_max_n) {
+    const int64_t warps = gd::top_k_threads / gpu::warp_size;
+    const unsigned blocks = gd::grid_blocks((tp.rows + warps - 1) / warps);
+    const int64_t items = (n + gpu::warp_size - 1) / gpu::warp_size; // keys a lane holds
+    // Items in steps of 4 (whole 16-byte loads): up to 1024 / 32 on NVIDIA, 1024 / 64 on AMD.
+    switch ((items + 3) / 4) {
+    case 1:
+      gd::launch_top_k_warp<4>(tp, blocks, stream);
+      break;
+    case 2:
+      gd::launch_top_k_warp<8>(tp, blocks, stream);
+      break;
+    case 3:
+      gd::launch_top_k_warp<12>(tp, blocks, stream);
+      break;
+    case 4:
+      gd::launch_top_k_warp<16>(tp, blocks, stream);
+      break;
+    case 5:
+      gd::launch_top_k_warp<20>(tp, blocks, stream);
+      break;
+    case 6:
+      gd::launch_top_k_warp<24>(tp, blocks, stream);
+      break;
+    case 7:
+      gd::launch_top_k_warp<28>(tp, blocks, stream);
+      break;
+    default:
+      gd::launch_top_k_warp<32>(tp, blocks, stream);
+      break;
+    }
+    return gpu::launch_status("select_top_k");
+  }
+  gd::top_k_kernel<32><<<gd::grid_blocks(tp.rows), gd::top_k_threads, 0, stream>>>(tp);
   return gpu::launch_status("select_top_k");
 }
 

@@ -41,22 +41,41 @@ template <class E, int D> using attention_mma = warp_mma<E, D>;
 // tile, 16 bytes a thread at a time; rows at or past `valid` are zero-filled so that padding slots hold no
 // NaN or Inf that a zero probability could turn into NaN. On NVIDIA the copy is asynchronous (cp.async):
 // call copy_commit() after issuing a stage and copy_wait<N>() before reading it.
+// One 16-byte chunk of copy_tile; a chunk that is not ok is zero-filled (cp.async reads 0 bytes of `fallback`).
+__device__ __forceinline__ void copy_chunk(uint16_t* d, const uint16_t* s, const uint16_t* fallback, bool ok) {
+#if VSA_PLATFORM_NVIDIA
+  const uint32_t daddr = static_cast<uint32_t>(__cvta_generic_to_shared(d));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(daddr), "l"(ok ? s : fallback), "r"(ok ? 16 : 0));
+#else
+  uint4 v = make_uint4(0, 0, 0, 0);
+  if (ok) v = *reinterpret_cast<const uint4*>(s);
+  *reinterpret_cast<uint4*>(d) = v;
+#endif
+}
 template <int D> __device__ __forceinline__ void copy_tile(smem_tile<D> dst, const uint16_t* src, int64_t row_stride,
                                                            int valid, int tid, int nthreads) {
   constexpr int chunks = smem_tile<D>::chunks;
+#if VSA_PLATFORM_NVIDIA
+  if (nthreads % chunks == 0 && (nthreads / chunks) % 8 == 0 && tile_rows % (nthreads / chunks) == 0) {
+    // Every block width the kernels use: a thread keeps one chunk column and steps by whole groups of eight
+    // rows, which leaves the swizzle (row mod 8) unchanged, so both addresses move by a fixed step. The
+    // general loop below recomputes the row, column and swizzle of every chunk: ~20 instructions a chunk
+    // against ~6 here, which made the sparse passes 1.16x faster on the H200 (bench/NOTES.md, v6). Not on
+    // AMD: there the copy goes through registers, and with the copies unrolled the linear query-gradient
+    // kernel (bf16, D = 128) spills.
+    const int c = tid % chunks, r0 = tid / chunks, rows = nthreads / chunks;
+    uint16_t* d = dst.chunk(r0, c);
+    const int64_t d_step = dst.chunk(r0 + rows, c) - d;
+    const uint16_t* s = src + r0 * row_stride + c * 8;
+    const int64_t s_step = rows * row_stride;
+#pragma unroll
+    for (int k = 0; k < tile_rows / rows; ++k) copy_chunk(d + k * d_step, s + k * s_step, src, r0 + k * rows < valid);
+    return;
+  }
+#endif
   for (int i = tid; i < tile_rows * chunks; i += nthreads) {
     const int r = i / chunks, c = i % chunks;
-    uint16_t* d = dst.chunk(r, c);
-    const bool ok = r < valid;
-#if VSA_PLATFORM_NVIDIA
-    const uint16_t* s = ok ? src + r * row_stride + c * 8 : src;
-    const uint32_t daddr = static_cast<uint32_t>(__cvta_generic_to_shared(d));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(daddr), "l"(s), "r"(ok ? 16 : 0));
-#else
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (ok) v = *reinterpret_cast<const uint4*>(src + r * row_stride + c * 8);
-    *reinterpret_cast<uint4*>(d) = v;
-#endif
+    copy_chunk(dst.chunk(r, c), src + r * row_stride + c * 8, src, r < valid);
   }
 }
 

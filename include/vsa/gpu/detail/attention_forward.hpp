@@ -97,13 +97,25 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
 
     const int64_t j = s.at(pos);
     const int kv = s.valid(j);
-    if (p.scores != nullptr) {
-      const int64_t len = s.rows_total();
-      float* out = p.scores + bh * len * len;
+    if constexpr (Sched::few_blocks) { // only the coarse pass writes scores
+      if (p.scores != nullptr) {
+        // Elements e and e + 1 (e even) are neighbours in one row in every accumulator layout, so they go out
+        // as one 8-byte store where the row length keeps it aligned. Offsets inside the block fit 32 bits.
+        const int len = static_cast<int>(s.rows_total());
+        float* out = p.scores + (bh * len + i * 64) * len + j * 64;
+        const bool pairs = len % 2 == 0 && reinterpret_cast<uintptr_t>(p.scores) % 8 == 0;
 #pragma unroll
-      for (int e = 0; e < M::score_elems; ++e) {
-        const int r = row0 + M::elem_row(e), c = M::elem_col(e);
-        if (r < q_valid && c < kv) out[(i * 64 + r) * len + j * 64 + c] = st.x[e] * p.scale;
+        for (int e = 0; e < M::score_elems; e += 2) {
+          const int r = row0 + M::elem_row(e), c = M::elem_col(e);
+          if (r >= q_valid) continue;
+          const float x0 = st.x[e] * p.scale, x1 = st.x[e + 1] * p.scale;
+          if (pairs && c + 1 < kv) {
+            *reinterpret_cast<float2*>(out + r * len + c) = make_float2(x0, x1);
+          } else {
+            if (c < kv) out[r * len + c] = x0;
+            if (c + 1 < kv) out[r * len + c + 1] = x1;
+          }
+        }
       }
     }
 
