@@ -291,13 +291,8 @@ template <int Threads = k2q_small_threads> __global__ void __launch_bounds__(Thr
     for (int j = lo + warp; j < hi; j += warps) {
       uint32_t m = lane < chunks ? bits[lane * n + j] : 0u;
       const uint32_t mine = __popc(m);
-      uint32_t start = mine;
-#pragma unroll
-      for (int d = 1; d < warp_size; d *= 2) {
-        const uint32_t v = shfl_up(start, d);
-        if (lane >= d) start += v;
-      }
-      int32_t* out = lists + offsets[j] + (start - mine);
+      const uint32_t through = warp_inclusive_sum(mine, lane); // entries of the chunks up to this lane's
+      int32_t* out = lists + offsets[j] + (through - mine);
       for (; m != 0u; m &= m - 1u) *out++ = lane * k2q_chunk + __ffs(m) - 1;
       if (lane == 0) offset[j] = offsets[j];
     }

@@ -5,6 +5,7 @@
 #pragma once
 
 #include "../types.hpp"
+#include "arch/wave_reduce.hpp"
 
 #if defined(__HIP_PLATFORM_AMD__) || defined(__HIP_PLATFORM_HCC__) || (defined(__HIPCC__) && !defined(__CUDACC__)) ||  \
     defined(__HIP_PLATFORM_NVIDIA__)
@@ -121,29 +122,41 @@ template <class T> __device__ __forceinline__ T shfl_up(T v, int delta) {
 #endif
 }
 
+// f folded over the whole warp, in every lane: a butterfly of shuffles in wave_reduce's order.
+template <class T, class F> __device__ __forceinline__ T warp_fold(T v, F f) {
+#pragma unroll
+  for (int s = 0; s < wave_reduce::warp_steps(warp_size); ++s)
+    v = f(v, shfl_xor(v, wave_reduce::warp_mask(warp_size, s)));
+  return v;
+}
+
 // Sum, minimum and maximum of an unsigned value over the whole warp, in every lane. On NVIDIA sm_80 and later
-// each is one instruction (redux.sync); elsewhere a butterfly of shuffles.
+// each is one instruction (redux.sync); elsewhere the butterfly.
 #if VSA_PLATFORM_NVIDIA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 __device__ __forceinline__ uint32_t warp_sum(uint32_t v) { return __reduce_add_sync(0xffffffffu, v); }
 __device__ __forceinline__ uint32_t warp_min(uint32_t v) { return __reduce_min_sync(0xffffffffu, v); }
 __device__ __forceinline__ uint32_t warp_max(uint32_t v) { return __reduce_max_sync(0xffffffffu, v); }
 #else
 __device__ __forceinline__ uint32_t warp_sum(uint32_t v) {
-#pragma unroll
-  for (int m = warp_size / 2; m > 0; m /= 2) v += shfl_xor(v, m);
-  return v;
+  return warp_fold(v, [](uint32_t a, uint32_t b) { return a + b; });
 }
 __device__ __forceinline__ uint32_t warp_min(uint32_t v) {
-#pragma unroll
-  for (int m = warp_size / 2; m > 0; m /= 2) v = min(v, shfl_xor(v, m));
-  return v;
+  return warp_fold(v, [](uint32_t a, uint32_t b) { return min(a, b); });
 }
 __device__ __forceinline__ uint32_t warp_max(uint32_t v) {
-#pragma unroll
-  for (int m = warp_size / 2; m > 0; m /= 2) v = max(v, shfl_xor(v, m));
-  return v;
+  return warp_fold(v, [](uint32_t a, uint32_t b) { return max(a, b); });
 }
 #endif
+
+// Inclusive prefix sum over the lanes of the warp, in lane order (`lane` is the caller's lane index).
+__device__ __forceinline__ uint32_t warp_inclusive_sum(uint32_t v, int lane) {
+#pragma unroll
+  for (int d = 1; d < warp_size; d *= 2) {
+    const uint32_t u = shfl_up(v, d);
+    if (lane >= d) v += u;
+  }
+  return v;
+}
 
 // 2^x on the special-function unit; exp2(-inf) = 0, which the masking relies on.
 __device__ __forceinline__ float fast_exp2(float x) {

@@ -246,7 +246,8 @@ template <int Items> __global__ void __launch_bounds__(top_k_threads) top_k_warp
     // first one's count points. Simulated on rows of 480-768 normal scores, this takes the search from ~7.4
     // to ~4.8 steps (exponential scores ~4.7, uniform ~5; without the guess ~9 and ~4.5).
 #pragma unroll
-    for (int m = warp_size / 2; m > 0; m /= 2) {
+    for (int s = 0; s < wave_reduce::warp_steps(warp_size); ++s) { // both sums' butterflies interleaved
+      const int m = wave_reduce::warp_mask(warp_size, s);
       sum += shfl_xor(sum, m);
       squares += shfl_xor(squares, m);
     }
@@ -289,13 +290,8 @@ template <int Items> __global__ void __launch_bounds__(top_k_threads) top_k_warp
     }
     ties &= ~above;
     const uint32_t mine = (static_cast<uint32_t>(__popc(above)) << 16) | static_cast<uint32_t>(__popc(ties));
-    uint32_t before = mine; // (keys above << 16) | ties, in the lanes before; both at most 1024
-#pragma unroll
-    for (int d = 1; d < warp_size; d *= 2) {
-      const uint32_t v = shfl_up(before, d);
-      if (lane >= d) before += v;
-    }
-    before -= mine;
+    // (keys above << 16) | ties, in the lanes before; both at most 1024
+    const uint32_t before = warp_inclusive_sum(mine, lane) - mine;
     const uint32_t ties_before = before & 0xffffu;
     // The ties this lane may still take: the first tie_need - ties_before of its tie bits.
     for (uint32_t m = ties, left = tie_need > ties_before ? tie_need - ties_before : 0u; m != 0u; m &= m - 1u)
