@@ -140,8 +140,21 @@ inline problem anchor_problem(const shape& s) {
   return p;
 }
 
+// Keeps the GPU busy for about `cycles` clock cycles (one thread), so that what is launched after it queues up.
+__global__ void hold_stream_kernel(long long cycles) {
+  const long long start = clock64();
+  while (clock64() - start < cycles) {
+  }
+}
+// ~100 us at a 2 GHz clock: longer than the host takes to launch any measured call (the whole op's
+// backward is the longest, ~15 launches).
+inline constexpr long long hold_cycles = 200000;
+
 // Times f on the stream with events, one measurement per benchmark iteration (manual time), after a few
 // warm-up calls; Google Benchmark reports the statistics (run with --benchmark_repetitions and the median).
+// Each iteration's launches queue behind hold_stream_kernel, so the start event fires when the GPU already
+// has the work: the time is the GPU's, as in a stream that is never idle, and does not include the host's
+// latency to launch the first kernel (a few microseconds, which the short stages would otherwise carry).
 template <class F> void time_on_stream(benchmark::State& state, gpu::stream_t stream, F&& f) {
   event_t start, stop;
   check(event_create(&start), "event");
@@ -149,6 +162,8 @@ template <class F> void time_on_stream(benchmark::State& state, gpu::stream_t st
   for (int i = 0; i < 3; ++i) f();
   check(device_sync(), "warm-up");
   for (auto _ : state) {
+    hold_stream_kernel<<<1, 1, 0, stream>>>(hold_cycles);
+    check(gpu::last_error(), "hold");
     check(event_record(start, stream), "record");
     f();
     check(event_record(stop, stream), "record");
