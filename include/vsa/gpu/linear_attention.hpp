@@ -24,17 +24,27 @@ namespace gpu {
 namespace detail {
 namespace linear {
 
-template <class E, int D> struct config {
+// The feature map is a template parameter of the kernels, not a value they test per element: each φ compiles
+// to its own straight-line code (no branches between the three in the inner loops), chosen once here.
+template <class E, int D, feature_map F> struct config {
   using element = E;
   static constexpr int head_dim = D;
+  static constexpr feature_map phi = F;
 };
 
-// Calls f(config<E, D>{}) for the problem's dtype and head dim (validated before: bf16/fp16, 64/128).
-template <class F> status dispatch(dtype t, int64_t d, F&& f) {
-  if (t == dtype::bf16 && d == 128) return f(config<bf16_type, 128>{});
-  if (t == dtype::bf16 && d == 64) return f(config<bf16_type, 64>{});
-  if (t == dtype::fp16 && d == 128) return f(config<fp16_type, 128>{});
-  if (t == dtype::fp16 && d == 64) return f(config<fp16_type, 64>{});
+template <class E, int D, class Fn> status dispatch_phi(feature_map phi, Fn&& f) {
+  if (phi == feature_map::softmax) return f(config<E, D, feature_map::softmax>{});
+  if (phi == feature_map::elu1) return f(config<E, D, feature_map::elu1>{});
+  return f(config<E, D, feature_map::relu>{});
+}
+
+// Calls f(config<E, D, F>{}) for the problem's dtype, head dim and feature map (validated before: bf16/fp16,
+// 64/128, one of the three maps).
+template <class Fn> status dispatch(dtype t, int64_t d, feature_map phi, Fn&& f) {
+  if (t == dtype::bf16 && d == 128) return dispatch_phi<bf16_type, 128>(phi, f);
+  if (t == dtype::bf16 && d == 64) return dispatch_phi<bf16_type, 64>(phi, f);
+  if (t == dtype::fp16 && d == 128) return dispatch_phi<fp16_type, 128>(phi, f);
+  if (t == dtype::fp16 && d == 64) return dispatch_phi<fp16_type, 64>(phi, f);
   return status::error(errc::bad_argument, "no kernel for %s with head dim %lld", dtype_name(t), (long long)d);
 }
 
@@ -110,28 +120,28 @@ struct plan {
   }
 };
 
-template <class E, int D> status make_plan(const problem& p, token_order order, bool backward, plan& w) {
+template <class E, int D, feature_map F> status make_plan(const problem& p, token_order order, bool backward, plan& w) {
   const sequence seq = make_sequence(p, order);
   w.heads_kv = p.batch * p.kv_heads;
   w.heads_q = p.batch * p.q_heads;
   // All the kernels are built for the same architectures; the state kernel's binary version stands for them.
-  status s = runs_as_hopper(state_kernel<E, D>, w.hopper);
+  status s = runs_as_hopper(state_kernel<E, D, F>, w.hopper);
   if (!s) return s;
   int64_t slots = 0;
-  s = resident_blocks(state_kernel<E, D>, state_shape<E, D>::threads, state_shape<E, D>::smem(w.hopper), slots);
+  s = resident_blocks(state_kernel<E, D, F>, state_shape<E, D>::threads, state_shape<E, D>::smem(w.hopper), slots);
   if (!s) return s;
   // A slice's record is (D + 2) / 64 chunks' worth of K and V traffic, written once and read back once.
   w.slices_state = choose_slices(w.heads_kv, seq.chunks, slots, 2 * ((D + 2 + 63) / 64));
   if (!backward) {
-    s = resident_blocks(apply_kernel<E, D>, apply_shape<E, D>::threads, apply_shape<E, D>::smem(w.hopper), slots);
+    s = resident_blocks(apply_kernel<E, D, F>, apply_shape<E, D>::threads, apply_shape<E, D>::smem(w.hopper), slots);
     if (!s) return s;
     w.slices_apply = choose_slices(w.heads_q, seq.chunks, slots, 1);
   } else {
-    s = resident_blocks(query_grad_kernel<E, D>, query_grad_shape<E, D>::threads,
+    s = resident_blocks(query_grad_kernel<E, D, F>, query_grad_shape<E, D>::threads,
                         query_grad_shape<E, D>::smem(w.hopper), slots);
     if (!s) return s;
     w.slices_query = choose_slices(w.heads_q, seq.chunks, slots, 2 * ((D + 2 + 63) / 64));
-    s = resident_blocks(key_grad_kernel<E, D>, key_grad_shape<E, D>::threads, key_grad_shape<E, D>::smem(w.hopper),
+    s = resident_blocks(key_grad_kernel<E, D, F>, key_grad_shape<E, D>::threads, key_grad_shape<E, D>::smem(w.hopper),
                         slots);
     if (!s) return s;
     w.slices_key = choose_slices(w.heads_kv, seq.chunks, slots, 1);
@@ -165,8 +175,9 @@ template <class E, int D> status make_plan(const problem& p, token_order order, 
 }
 
 // Launches of the stages; each returns the launch's status.
-template <class E, int D> status run_state(const problem& p, const plan& w, const sequence& seq, feature_map phi,
-                                           const_tensor k, const_tensor v, void* workspace, stream_t stream) {
+template <class E, int D, feature_map F> status run_state(const problem& p, const plan& w, const sequence& seq,
+                                                          const_tensor k, const_tensor v, void* workspace,
+                                                          stream_t stream) {
   state_params sp{};
   sp.k = make_operand(k);
   sp.v = make_operand(v);
@@ -175,9 +186,8 @@ template <class E, int D> status run_state(const problem& p, const plan& w, cons
   sp.slices = w.slices_state;
   sp.heads_total = w.heads_kv;
   sp.partial = w.at<float>(workspace, w.partial);
-  sp.phi = phi;
-  state_kernel<E, D><<<static_cast<unsigned>(w.heads_kv * w.slices_state), state_shape<E, D>::threads,
-                       state_shape<E, D>::smem(w.hopper), stream>>>(sp);
+  state_kernel<E, D, F><<<static_cast<unsigned>(w.heads_kv * w.slices_state), state_shape<E, D>::threads,
+                          state_shape<E, D>::smem(w.hopper), stream>>>(sp);
   status s = launch_status("linear attention (state)");
   if (!s) return s;
 
@@ -203,12 +213,13 @@ inline status linear_attention_forward(const problem& p, feature_map phi, float 
   namespace gl = gpu::detail::linear;
   status s = gl::check_arguments(p, phi, eps, order);
   if (!s) return s;
-  return gl::dispatch(p.type, p.head_dim, [&](auto cfg) -> status {
+  return gl::dispatch(p.type, p.head_dim, phi, [&](auto cfg) -> status {
     using C = decltype(cfg);
     using E = typename C::element;
     constexpr int D = C::head_dim;
+    constexpr feature_map F = C::phi;
     gl::plan w;
-    status st = gl::make_plan<E, D>(p, order, false, w);
+    status st = gl::make_plan<E, D, F>(p, order, false, w);
     if (!st) return st;
     if (workspace == nullptr) {
       workspace_bytes = w.bytes;
@@ -223,7 +234,7 @@ inline status linear_attention_forward(const problem& p, feature_map phi, float 
     if (!st) return st;
 
     const gl::sequence seq = gl::make_sequence(p, order);
-    st = gl::run_state<E, D>(p, w, seq, phi, k, v, workspace, stream);
+    st = gl::run_state<E, D, F>(p, w, seq, k, v, workspace, stream);
     if (!st) return st;
     gl::apply_params ap{};
     ap.q = gpu::detail::make_operand(q);
@@ -235,9 +246,8 @@ inline status linear_attention_forward(const problem& p, feature_map phi, float 
     ap.kvn = w.at<uint16_t>(workspace, w.state_kvn);
     ap.vec = w.at<float>(workspace, w.state_vec);
     ap.eps = eps;
-    ap.phi = phi;
-    gl::apply_kernel<E, D><<<static_cast<unsigned>(w.heads_q * w.slices_apply), gl::apply_shape<E, D>::threads,
-                             gl::apply_shape<E, D>::smem(w.hopper), stream>>>(ap);
+    gl::apply_kernel<E, D, F><<<static_cast<unsigned>(w.heads_q * w.slices_apply), gl::apply_shape<E, D>::threads,
+                                gl::apply_shape<E, D>::smem(w.hopper), stream>>>(ap);
     return gpu::launch_status("linear attention (apply)");
   });
 }
@@ -251,12 +261,13 @@ inline status linear_attention_backward(const problem& p, feature_map phi, float
   namespace gl = gpu::detail::linear;
   status s = gl::check_arguments(p, phi, eps, order);
   if (!s) return s;
-  return gl::dispatch(p.type, p.head_dim, [&](auto cfg) -> status {
+  return gl::dispatch(p.type, p.head_dim, phi, [&](auto cfg) -> status {
     using C = decltype(cfg);
     using E = typename C::element;
     constexpr int D = C::head_dim;
+    constexpr feature_map F = C::phi;
     gl::plan w;
-    status st = gl::make_plan<E, D>(p, order, true, w);
+    status st = gl::make_plan<E, D, F>(p, order, true, w);
     if (!st) return st;
     if (workspace == nullptr) {
       workspace_bytes = w.bytes;
@@ -274,7 +285,7 @@ inline status linear_attention_backward(const problem& p, feature_map phi, float
     if (!st) return st;
 
     const gl::sequence seq = gl::make_sequence(p, order);
-    st = gl::run_state<E, D>(p, w, seq, phi, k, v, workspace, stream);
+    st = gl::run_state<E, D, F>(p, w, seq, k, v, workspace, stream);
     if (!st) return st;
 
     gl::query_grad_params qp{};
@@ -289,10 +300,9 @@ inline status linear_attention_backward(const problem& p, feature_map phi, float
     qp.kvn = w.at<uint16_t>(workspace, w.state_kvn);
     qp.vec = w.at<float>(workspace, w.state_vec);
     qp.eps = eps;
-    qp.phi = phi;
     qp.partial = w.at<float>(workspace, w.partial);
     qp.rows = w.at<float>(workspace, w.rows);
-    gl::query_grad_kernel<E, D>
+    gl::query_grad_kernel<E, D, F>
         <<<static_cast<unsigned>(w.heads_q * w.slices_query), gl::query_grad_shape<E, D>::threads,
            gl::query_grad_shape<E, D>::smem(w.hopper), stream>>>(qp);
     st = gpu::launch_status("linear attention backward (query side)");
@@ -322,9 +332,8 @@ inline status linear_attention_backward(const problem& p, feature_map phi, float
     kp.state_vec = qp.vec;
     kp.grad_kvn = rp.grad.kvn;
     kp.grad_vec = rp.grad.vec;
-    kp.phi = phi;
-    gl::key_grad_kernel<E, D><<<static_cast<unsigned>(w.heads_kv * w.slices_key), gl::key_grad_shape<E, D>::threads,
-                                gl::key_grad_shape<E, D>::smem(w.hopper), stream>>>(kp);
+    gl::key_grad_kernel<E, D, F><<<static_cast<unsigned>(w.heads_kv * w.slices_key), gl::key_grad_shape<E, D>::threads,
+                                   gl::key_grad_shape<E, D>::smem(w.hopper), stream>>>(kp);
     return gpu::launch_status("linear attention backward (key side)");
   });
 }

@@ -170,12 +170,18 @@ __device__ __forceinline__ void load_band(typename warp_mma<E, D>::score_tile (&
     }
 }
 
-// φ over the head dim of every row of the band, in place.
-template <class E, int D, int T>
-__device__ __forceinline__ void feature_band(feature_map phi, typename warp_mma<E, D>::score_tile (&x)[T]) {
+// φ over the head dim of every row of the band, in place. With `normalize` false, softmax leaves its
+// exponentials unnormalized and returns each row's 1 / Σ in `scale` instead (a caller whose result is a ratio
+// of sums over the row, like apply's, folds it into per-row factors); elu+1 and relu always set scale to 1.
+// (R is a parameter of its own, not warp_mma<E, D>::rows_per_lane in the declaration: clang 15 misparses that
+// array bound in a template with a feature_map parameter.)
+template <feature_map F, bool normalize, class E, int D, int T, int R>
+__device__ __forceinline__ void feature_band_scaled(typename warp_mma<E, D>::score_tile (&x)[T], float (&scale)[R]) {
   using M = warp_mma<E, D>;
-  constexpr int R = M::rows_per_lane;
-  if (phi == feature_map::softmax) {
+  static_assert(R == M::rows_per_lane, "one scale per row of the lane");
+#pragma unroll
+  for (int r = 0; r < R; ++r) scale[r] = 1.f;
+  if constexpr (F == feature_map::softmax) {
     float mx[R], sum[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) mx[r] = -__builtin_huge_valf(), sum[r] = 0.f;
@@ -194,18 +200,24 @@ __device__ __forceinline__ void feature_band(feature_map phi, typename warp_mma<
         sum[M::elem_slot(e)] += y;
       }
 #pragma unroll
-    for (int r = 0; r < R; ++r) sum[r] = 1.f / M::row_sum(sum[r]);
+    for (int r = 0; r < R; ++r) scale[r] = 1.f / M::row_sum(sum[r]);
+    if constexpr (normalize) {
 #pragma unroll
-    for (int c = 0; c < T; ++c)
+      for (int c = 0; c < T; ++c)
 #pragma unroll
-      for (int e = 0; e < M::score_elems; ++e) x[c].x[e] *= sum[M::elem_slot(e)];
-  } else if (phi == feature_map::elu1) {
+        for (int e = 0; e < M::score_elems; ++e) x[c].x[e] *= scale[M::elem_slot(e)];
+#pragma unroll
+      for (int r = 0; r < R; ++r) scale[r] = 1.f;
+    }
+  } else if constexpr (F == feature_map::elu1) {
 #pragma unroll
     for (int c = 0; c < T; ++c)
 #pragma unroll
       for (int e = 0; e < M::score_elems; ++e) {
+        // max(v, 0) + e^min(v, 0) is v + 1 for v > 0 and e^v otherwise, without a branch around the
+        // exponential (which the compiler otherwise emits for every element).
         const float v = x[c].x[e];
-        x[c].x[e] = v > 0.f ? v + 1.f : fast_exp2(v * log2e);
+        x[c].x[e] = fmaxf(v, 0.f) + fast_exp2(fminf(v, 0.f) * log2e);
       }
   } else {
 #pragma unroll
@@ -214,17 +226,20 @@ __device__ __forceinline__ void feature_band(feature_map phi, typename warp_mma<
       for (int e = 0; e < M::score_elems; ++e) x[c].x[e] = fmaxf(x[c].x[e], 0.f);
   }
 }
+template <feature_map F, class E, int D, int T>
+__device__ __forceinline__ void feature_band(typename warp_mma<E, D>::score_tile (&x)[T]) {
+  float scale[warp_mma<E, D>::rows_per_lane];
+  feature_band_scaled<F, true, E, D, T>(x, scale);
+}
 
 // d ← (∂φ/∂x)ᵀ d, with a = φ(x). Each derivative is a function of a alone: softmax's Jacobian is
 // diag(a) − a aᵀ; elu(x)+1 has slope 1 where x > 0 (a > 1) and e^x = a elsewhere, i.e. min(a, 1); relu has
 // slope 1 where x > 0, i.e. where a > 0.
-template <class E, int D, int T>
-__device__ __forceinline__ void feature_backward_band(feature_map phi,
-                                                      const typename warp_mma<E, D>::score_tile (&a)[T],
-                                                      typename warp_mma<E, D>::score_tile (&d)[T]) {
+template <feature_map F, class E, int D, int T> __device__ __forceinline__ void
+feature_backward_band(const typename warp_mma<E, D>::score_tile (&a)[T], typename warp_mma<E, D>::score_tile (&d)[T]) {
   using M = warp_mma<E, D>;
   constexpr int R = M::rows_per_lane;
-  if (phi == feature_map::softmax) {
+  if constexpr (F == feature_map::softmax) {
     float inner[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) inner[r] = 0.f;
@@ -238,7 +253,7 @@ __device__ __forceinline__ void feature_backward_band(feature_map phi,
     for (int c = 0; c < T; ++c)
 #pragma unroll
       for (int e = 0; e < M::score_elems; ++e) d[c].x[e] = a[c].x[e] * (d[c].x[e] - inner[M::elem_slot(e)]);
-  } else if (phi == feature_map::elu1) {
+  } else if constexpr (F == feature_map::elu1) {
 #pragma unroll
     for (int c = 0; c < T; ++c)
 #pragma unroll
@@ -249,6 +264,12 @@ __device__ __forceinline__ void feature_backward_band(feature_map phi,
 #pragma unroll
       for (int e = 0; e < M::score_elems; ++e) d[c].x[e] = a[c].x[e] > 0.f ? d[c].x[e] : 0.f;
   }
+}
+
+// Per-column factors (z, m, σ, ...) of the even column `col` and the next, which a lane's elements e, e + 1
+// (e even) always pair: one 8-byte load instead of two.
+__device__ __forceinline__ float2 column_pair(const float* v, int col) {
+  return *reinterpret_cast<const float2*>(v + col);
 }
 
 // Writes a 16 × D fp32 band into rows row0 … of a shared tile, rounded to E. Adjacent elements e, e + 1
@@ -274,6 +295,98 @@ template <int D> __device__ __forceinline__ void store_tile(uint16_t* dst, int64
   }
 }
 
+// φ of the two 16-bit elements of one 32-bit word (adjacent columns of a row), rounded back to E; relu and
+// elu+1 only (softmax needs its row's maximum and sum). On NVIDIA both work on the packed pair: relu is one
+// max.bf16x2 / max.f16x2, exact like fmaxf; elu+1 takes v + 1 as one fma.rn on the pair (v·1 + 1 rounded
+// once, which is what rounding the exact fp32 sum gives: it is exact in fp32 for every 16-bit v below 2^24,
+// and above that both round back to v) and picks it where the sign bit is clear (at ±0 both branches give
+// 1), 2^(v·log2 e) elsewhere; only the exponentials go through fp32. Elsewhere: fp32, one element at a time.
+template <feature_map F, class E> __device__ __forceinline__ uint32_t feature_pair(uint32_t w) {
+  static_assert(F != feature_map::softmax, "softmax is not elementwise");
+#if VSA_PLATFORM_NVIDIA
+  uint32_t r;
+  if constexpr (F == feature_map::relu) {
+    if constexpr (E::is_bf16)
+      asm("max.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(w), "r"(0u));
+    else
+      asm("max.f16x2 %0, %1, %2;" : "=r"(r) : "r"(w), "r"(0u));
+  } else {
+    const float lo = E::to_float(static_cast<uint16_t>(w & 0xffffu)), hi = E::to_float(static_cast<uint16_t>(w >> 16));
+    const uint32_t ex = E::pack(fast_exp2(lo * log2e), fast_exp2(hi * log2e));
+    uint32_t plus1, neg;
+    if constexpr (E::is_bf16)
+      asm("fma.rn.bf16x2 %0, %1, %2, %2;" : "=r"(plus1) : "r"(w), "r"(0x3f803f80u));
+    else
+      asm("fma.rn.f16x2 %0, %1, %2, %2;" : "=r"(plus1) : "r"(w), "r"(0x3c003c00u));
+    // 0xffff in each half whose sign bit is set: prmt replicates the sign of bytes 1 and 3.
+    asm("prmt.b32 %0, %1, 0, 0xBB99;" : "=r"(neg) : "r"(w));
+    r = (plus1 & ~neg) | (ex & neg);
+  }
+  return r;
+#else
+  float x[2] = {E::to_float(static_cast<uint16_t>(w & 0xffffu)), E::to_float(static_cast<uint16_t>(w >> 16))};
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+    x[i] = F == feature_map::relu ? fmaxf(x[i], 0.f) : x[i] > 0.f ? x[i] + 1.f : fast_exp2(x[i] * log2e);
+  return E::pack(x[0], x[1]);
+#endif
+}
+
+// φ of the `cpt` 16-byte chunks `chunk[j]` of one row, in place, rounded to E; a row that is not `valid`
+// (a padding slot, zero-filled by the copy) becomes 0, so that it adds nothing to z. The `tpr` threads that
+// share the row are a butterfly group of a warp; softmax merges their partial maxima and sums of
+// exponentials, so it runs on every row (the shuffles need the whole warp) and zeroes a padding row through
+// its scale; relu keeps the zeros as they are.
+template <feature_map F, class E, int tpr, int cpt>
+__device__ __forceinline__ void feature_row_chunks(uint4* const (&chunk)[cpt], bool valid) {
+  if constexpr (F == feature_map::softmax) {
+    // First pass: the row's running maximum · log2(e) and Σ 2^(x·log2(e) − max), chunk by chunk.
+    float mx = -__builtin_huge_valf(), sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < cpt; ++j) {
+      float x[8];
+      unpack<E>(*chunk[j], x);
+      float mc = x[0];
+#pragma unroll
+      for (int i = 1; i < 8; ++i) mc = fmaxf(mc, x[i]);
+      mc = fmaxf(mx, mc * log2e);
+      sum *= fast_exp2(mx - mc);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) sum += fast_exp2(fmaf(x[i], log2e, -mc));
+      mx = mc;
+    }
+    // The row's `tpr` partials merged by wave_reduce's group butterfly; the merge is symmetric in its two
+    // operands, so every thread of the row ends with the same maximum and sum.
+#pragma unroll
+    for (int s = 0; s < wave_reduce::group_steps(tpr); ++s) {
+      const int o = wave_reduce::group_mask(s);
+      const float mo = shfl_xor(mx, o), so = shfl_xor(sum, o);
+      const float mn = fmaxf(mx, mo);
+      sum = sum * fast_exp2(mx - mn) + so * fast_exp2(mo - mn);
+      mx = mn;
+    }
+    sum = valid ? 1.f / sum : 0.f;
+#pragma unroll
+    for (int j = 0; j < cpt; ++j) {
+      float x[8];
+      unpack<E>(*chunk[j], x);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) x[i] = fast_exp2(fmaf(x[i], log2e, -mx)) * sum;
+      *chunk[j] = pack<E>(x);
+    }
+  } else if (F == feature_map::relu || valid) {
+#pragma unroll
+    for (int j = 0; j < cpt; ++j) {
+      const uint4 w = *chunk[j];
+      *chunk[j] = make_uint4(feature_pair<F, E>(w.x), feature_pair<F, E>(w.y), feature_pair<F, E>(w.z),
+                             feature_pair<F, E>(w.w));
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < cpt; ++j) *chunk[j] = make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
 // ---- forward: partial states --------------------------------------------------------------------------------
 
 struct state_params {
@@ -282,7 +395,6 @@ struct state_params {
   int64_t kv_heads, slices;
   int64_t heads_total; // batch · kv_heads
   float* partial;      // [slices, heads_total] records: KV (d1 rows), z, Σ v
-  feature_map phi;
 };
 
 template <class E, int D> struct state_shape {
@@ -294,8 +406,8 @@ template <class E, int D> struct state_shape {
   static_assert(2 * (threads / (D / 8)) * D * 4 <= tiles, "Σ v and z scratch does not fit");
 };
 
-template <class E, int D> __global__ void VSA_LINEAR_BOUNDS((band_layout<E, D>::threads), (D == 128 ? 2 : 3))
-    state_kernel(state_params p) {
+template <class E, int D, feature_map F>
+__global__ void VSA_LINEAR_BOUNDS((band_layout<E, D>::threads), (D == 128 ? 2 : 3)) state_kernel(state_params p) {
   using M = attention_mma<E, D>;
   using L = band_layout<E, D>;
   constexpr int nthreads = L::threads;
@@ -351,55 +463,15 @@ template <class E, int D> __global__ void VSA_LINEAR_BOUNDS((band_layout<E, D>::
     const int valid = p.seq.valid(c);
     const smem_tile<D> kt = sk(buf), vt = sv(buf);
 
-    // φ(k) of every row, in place, rounded to E; padding rows become 0 so that they add nothing to z.
-    // One 16-byte chunk at a time, to keep registers for the accumulators; softmax takes a first pass for
-    // the row's running maximum and sum of exponentials. Rows alternate which half of the chunks they
-    // start with, so that the two rows a quarter-warp touches fall on different banks.
+    // φ(k) of every row, in place, rounded to E, padding rows 0. One 16-byte chunk at a time, to keep
+    // registers for the accumulators. Rows alternate which half of the chunks they start with, so that the
+    // two rows a quarter-warp touches fall on different banks.
     {
-      const auto chunk_at = [&](int j) {
-        return reinterpret_cast<uint4*>(kt.chunk(frow, fpart + tpr * ((j + frow) % cpt)));
-      };
-      float mx = -__builtin_huge_valf(), sum = 0.f; // row maximum · log2(e), Σ 2^(x·log2(e) − mx)
-      if (p.phi == feature_map::softmax) {
+      uint4* chunk[cpt];
 #pragma unroll
-        for (int j = 0; j < cpt; ++j) {
-          float x[8];
-          unpack<E>(*chunk_at(j), x);
-          float mc = x[0];
-#pragma unroll
-          for (int i = 1; i < 8; ++i) mc = fmaxf(mc, x[i]);
-          mc = fmaxf(mx, mc * log2e);
-          sum *= fast_exp2(mx - mc);
-#pragma unroll
-          for (int i = 0; i < 8; ++i) sum += fast_exp2(fmaf(x[i], log2e, -mc));
-          mx = mc;
-        }
-        // The row's `tpr` partials merged by wave_reduce's group butterfly; the merge is symmetric in its two
-        // operands, so every thread of the row ends with the same maximum and sum.
-#pragma unroll
-        for (int s = 0; s < wave_reduce::group_steps(tpr); ++s) {
-          const int o = wave_reduce::group_mask(s);
-          const float mo = shfl_xor(mx, o), so = shfl_xor(sum, o);
-          const float mn = fmaxf(mx, mo);
-          sum = sum * fast_exp2(mx - mn) + so * fast_exp2(mo - mn);
-          mx = mn;
-        }
-        sum = 1.f / sum;
-      }
-#pragma unroll
-      for (int j = 0; j < cpt; ++j) {
-        float x[8];
-        unpack<E>(*chunk_at(j), x);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const float v = x[i];
-          x[i] = frow >= valid                   ? 0.f
-                 : p.phi == feature_map::softmax ? fast_exp2(fmaf(v, log2e, -mx)) * sum
-                 : p.phi == feature_map::elu1    ? (v > 0.f ? v + 1.f : fast_exp2(v * log2e))
-                                                 : fmaxf(v, 0.f);
-        }
-        *chunk_at(j) = pack<E>(x);
-      }
+      for (int j = 0; j < cpt; ++j)
+        chunk[j] = reinterpret_cast<uint4*>(kt.chunk(frow, fpart + tpr * ((j + frow) % cpt)));
+      feature_row_chunks<F, E, tpr, cpt>(chunk, frow < valid);
     }
     // Σ v over the tile (padding rows were zero-filled by the copy).
 #pragma unroll
@@ -540,13 +612,17 @@ struct apply_params {
   const uint16_t* kvn; // state_view::kvn
   const float* vec;    // state_view::vec
   float eps;
-  feature_map phi;
 };
 
+// Shared memory: D / 64 tiles of KVn, the Q stages, then the per-column factors of the state, by pairs of
+// columns (the pair a lane's elements e, e + 1 form): {z, z, σ, σ} as one float4 and {m, m} as one float2.
 template <class E, int D> struct apply_shape {
   static constexpr int threads = 4 * warp_mma<E, D>::threads;
-  static constexpr int smem(bool hopper) { return (D / 64 + copy_stages) * smem_tile<D>::bytes + tile_slack(hopper); }
+  static constexpr int tiles = (D / 64 + copy_stages) * smem_tile<D>::bytes;
+  static constexpr int factors = (D / 2) * (16 + 8);
+  static constexpr int smem(bool hopper) { return tiles + factors + tile_slack(hopper); }
   static_assert(smem(true) <= max_block_smem, "apply tiles do not fit");
+  static_assert(threads >= D / 2, "one thread per column pair fills the factors");
 };
 
 // Per row of the band (slot) of features a = φ(q): a·z and 1 / (a·z + eps).
@@ -562,7 +638,10 @@ __device__ __forceinline__ void query_weights(typename warp_mma<E, D>::score_til
 #pragma unroll
   for (int c = 0; c < T; ++c)
 #pragma unroll
-    for (int e = 0; e < M::score_elems; ++e) az[M::elem_slot(e)] += x[c].x[e] * z[c * 64 + M::elem_col(e)];
+    for (int e = 0; e < M::score_elems; e += 2) {
+      const float2 zc = column_pair(z, c * 64 + M::elem_col(e));
+      az[M::elem_slot(e)] += x[c].x[e] * zc.x + x[c].x[e + 1] * zc.y;
+    }
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     az[r] = M::row_sum(az[r]);
@@ -570,8 +649,13 @@ __device__ __forceinline__ void query_weights(typename warp_mma<E, D>::score_til
   }
 }
 
-template <class E, int D> __global__ void VSA_LINEAR_BOUNDS((apply_shape<E, D>::threads), (D == 128 ? 2 : 4))
-    apply_kernel(apply_params p) {
+// Per 64-token tile, each warp takes 16 rows: with a = φ(q_i) (for softmax the unnormalized exponentials e
+// and the row's scale 1 / Σ e, a = e · scale), den = a·z + eps and w = e σ,
+//   P̂ = w / max_d1 w,   β = max_d1 w · scale / den,   o_i = β (P̂ · KVn) + m (a·z) / den,
+// which is the module comment's P / β with den (and softmax's normalization) cancelled out of P̂.
+// The per-column factors are read from shared memory, a pair of columns a load.
+template <class E, int D, feature_map F>
+__global__ void VSA_LINEAR_BOUNDS((apply_shape<E, D>::threads), (D == 128 ? 2 : 4)) apply_kernel(apply_params p) {
   using M = attention_mma<E, D>;
   constexpr int nthreads = apply_shape<E, D>::threads;
   constexpr int R = M::rows_per_lane, T = D / 64;
@@ -583,6 +667,8 @@ template <class E, int D> __global__ void VSA_LINEAR_BOUNDS((apply_shape<E, D>::
   uint16_t* sm = VSA_LINEAR_TILES(smem_raw);
   const auto skv = [&](int c) { return smem_tile<D>{sm + c * 64 * D}; };
   const auto sq = [&](int buf) { return smem_tile<D>{sm + (T + buf) * 64 * D}; };
+  float4* zsigma = reinterpret_cast<float4*>(sm + (T + stages) * 64 * D);
+  float2* mean = reinterpret_cast<float2*>(zsigma + D / 2);
 
   const int64_t slice = blockIdx.x % p.slices, bh = blockIdx.x / p.slices;
   const int64_t b = bh / p.q_heads, h = bh % p.q_heads;
@@ -591,13 +677,18 @@ template <class E, int D> __global__ void VSA_LINEAR_BOUNDS((apply_shape<E, D>::
   int64_t begin, end;
   slice_range(slice, p.slices, p.seq.chunks, begin, end);
   if (begin >= end) return;
-  const float* vec = p.vec + bhk * 3 * D;
-  const float *m = vec + D, *sigma = vec + 2 * D;
 
 #pragma unroll
   for (int c = 0; c < T; ++c) copy_tile(skv(c), p.kvn + (bhk * D + c * 64) * D, D, 64, tid, nthreads);
   if (begin < end) copy_tile(sq(0), p.q.tile(b, h, begin), p.q.token, p.seq.valid(begin), tid, nthreads);
   copy_commit();
+  if (tid < D / 2) { // ordered before the first use by the loop's first barrier
+    const float* vec = p.vec + bhk * 3 * D + 2 * tid;
+    const float2 z = *reinterpret_cast<const float2*>(vec), m = *reinterpret_cast<const float2*>(vec + D),
+                 sigma = *reinterpret_cast<const float2*>(vec + 2 * D);
+    zsigma[tid] = make_float4(z.x, z.y, sigma.x, sigma.y);
+    mean[tid] = m;
+  }
 
   for (int64_t c = begin; c < end; ++c) {
     const int buf = stages == 2 ? static_cast<int>((c - begin) & 1) : 0;
@@ -610,37 +701,46 @@ template <class E, int D> __global__ void VSA_LINEAR_BOUNDS((apply_shape<E, D>::
 
     typename M::score_tile x[T];
     load_band<E, D, T>(x, sq(buf), row0);
-    feature_band<E, D, T>(p.phi, x);
-    float inv_den[R], az[R], beta[R], inv_beta[R];
-    query_weights<E, D>(x, vec, p.eps, inv_den, az);
+    float scale[R], az[R], wmax[R];
+    feature_band_scaled<F, false, E, D, T>(x, scale);
 #pragma unroll
-    for (int r = 0; r < R; ++r) beta[r] = 0.f;
+    for (int r = 0; r < R; ++r) az[r] = 0.f, wmax[r] = 0.f;
 #pragma unroll
     for (int cc = 0; cc < T; ++cc)
 #pragma unroll
-      for (int e = 0; e < M::score_elems; ++e) {
-        const float w = x[cc].x[e] * sigma[cc * 64 + M::elem_col(e)] * inv_den[M::elem_slot(e)];
-        x[cc].x[e] = w;
-        beta[M::elem_slot(e)] = fmaxf(beta[M::elem_slot(e)], w);
+      for (int e = 0; e < M::score_elems; e += 2) {
+        const float4 f = zsigma[(cc * 64 + M::elem_col(e)) / 2];
+        const int sl = M::elem_slot(e);
+        az[sl] = fmaf(x[cc].x[e], f.x, fmaf(x[cc].x[e + 1], f.y, az[sl]));
+        x[cc].x[e] *= f.z;
+        x[cc].x[e + 1] *= f.w;
+        wmax[sl] = fmaxf(wmax[sl], fmaxf(x[cc].x[e], x[cc].x[e + 1]));
       }
+    float beta[R], mix[R], inv_wmax[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      beta[r] = M::row_max(beta[r]);
-      inv_beta[r] = beta[r] > 0.f ? 1.f / beta[r] : 0.f;
+      az[r] = M::row_sum(az[r]) * scale[r];
+      const float inv_den = 1.f / (az[r] + p.eps);
+      wmax[r] = M::row_max(wmax[r]);
+      inv_wmax[r] = wmax[r] > 0.f ? 1.f / wmax[r] : 0.f;
+      beta[r] = wmax[r] * scale[r] * inv_den;
+      mix[r] = az[r] * inv_den;
     }
 #pragma unroll
     for (int cc = 0; cc < T; ++cc)
 #pragma unroll
-      for (int e = 0; e < M::score_elems; ++e) x[cc].x[e] *= inv_beta[M::elem_slot(e)];
+      for (int e = 0; e < M::score_elems; ++e) x[cc].x[e] *= inv_wmax[M::elem_slot(e)];
     typename M::out_tile o;
 #pragma unroll
     for (int e = 0; e < M::out_elems; ++e) o.x[e] = 0.f;
 #pragma unroll
     for (int cc = 0; cc < T; ++cc) M::nn(o, x[cc], skv(cc));
 #pragma unroll
-    for (int e = 0; e < M::out_elems; ++e) {
+    for (int e = 0; e < M::out_elems; e += 2) {
       const int s = M::elem_slot(e);
-      o.x[e] = beta[s] * o.x[e] + m[M::elem_col(e)] * (az[s] * inv_den[s]);
+      const float2 m = mean[M::elem_col(e) / 2];
+      o.x[e] = fmaf(beta[s], o.x[e], m.x * mix[s]);
+      o.x[e + 1] = fmaf(beta[s], o.x[e + 1], m.y * mix[s]);
     }
 
     __syncthreads(); // the band's rows of Q are read; the stage now receives O
@@ -665,7 +765,6 @@ struct query_grad_params {
   const uint16_t* kvn;
   const float* vec;
   float eps;
-  feature_map phi;
   float* partial; // [slices, heads_total] records: z-scaled dKV (d1 rows), z-scaled dz̄
   float* rows;    // [slices · heads_total, 64]: the per-row factor g, handed from the row warps to the band warps
 };
@@ -676,7 +775,12 @@ template <class E, int D> struct query_grad_shape {
   // Decided with the Hopper slack counted, so that host and device agree whatever the code runs as.
   static constexpr int stages =
       (D / 64 + 2 * copy_stages) * smem_tile<D>::bytes + smem_slack <= max_block_smem ? copy_stages : 1;
-  static constexpr int smem(bool hopper) { return (D / 64 + 2 * stages) * smem_tile<D>::bytes + tile_slack(hopper); }
+  static constexpr int tiles = (D / 64 + 2 * stages) * smem_tile<D>::bytes;
+  // z, m, σ copied into shared memory after the tiles where that fits (NVIDIA; AMD's 64 KiB are taken by the
+  // tiles at D = 128): read there, they are not reloaded from global memory for every tile.
+  static constexpr int factor_bytes = 3 * D * 4;
+  static constexpr bool factors_in_smem = tiles + factor_bytes + smem_slack <= max_block_smem;
+  static constexpr int smem(bool hopper) { return tiles + (factors_in_smem ? factor_bytes : 0) + tile_slack(hopper); }
   static_assert(smem(true) <= max_block_smem, "query-gradient tiles do not fit");
   static_assert(threads / (D / 2) * D * 4 <= smem(false), "dz̄ scratch does not fit");
 };
@@ -689,7 +793,8 @@ template <class E, int D> struct query_grad_shape {
 // [0, 1] whatever the sequence length; the records carry that z scaling and grad_reduce removes it.
 // φ(q) waits for dq in 16-bit registers (E), which keeps the warps that also hold a 16 × D accumulator under
 // the register limit; everything else stays in fp32.
-template <class E, int D> __global__ void VSA_LINEAR_BOUNDS((band_layout<E, D>::threads), (D == 128 ? 1 : 2))
+template <class E, int D, feature_map F>
+__global__ void VSA_LINEAR_BOUNDS((band_layout<E, D>::threads), (D == 128 ? 1 : 2))
     query_grad_kernel(query_grad_params p) {
   using M = attention_mma<E, D>;
   using L = band_layout<E, D>;
@@ -718,6 +823,11 @@ template <class E, int D> __global__ void VSA_LINEAR_BOUNDS((band_layout<E, D>::
   int64_t begin, end;
   slice_range(slice, p.slices, p.seq.chunks, begin, end);
   const float* vec = p.vec + bhk * 3 * D;
+  if constexpr (query_grad_shape<E, D>::factors_in_smem) {
+    float* copy = reinterpret_cast<float*>(sm + query_grad_shape<E, D>::tiles / 2);
+    for (int i = tid; i < 3 * D; i += nthreads) copy[i] = vec[i]; // ordered by the loop's first barrier
+    vec = copy;
+  }
   const float *z = vec, *m = vec + D, *sigma = vec + 2 * D;
   float* rows = p.rows + static_cast<int64_t>(blockIdx.x) * 64;
 
@@ -759,7 +869,7 @@ template <class E, int D> __global__ void VSA_LINEAR_BOUNDS((band_layout<E, D>::
       {
         typename M::score_tile a[T];
         load_band<E, D, T>(a, qt, row0);
-        feature_band<E, D, T>(p.phi, a);
+        feature_band<F, E, D, T>(a);
         query_weights<E, D>(a, vec, p.eps, inv_den, az);
 #pragma unroll
         for (int cc = 0; cc < T; ++cc)
@@ -774,8 +884,9 @@ template <class E, int D> __global__ void VSA_LINEAR_BOUNDS((band_layout<E, D>::
         for (int e = 0; e < M::score_elems; e += 2) {
           const int col = cc * 64 + M::elem_col(e);
           const uint32_t w = *reinterpret_cast<const uint32_t*>(dot.at(row0 + M::elem_row(e), col));
-          mu[M::elem_slot(e)] += m[col] * E::to_float(static_cast<uint16_t>(w & 0xffffu)) +
-                                 m[col + 1] * E::to_float(static_cast<uint16_t>(w >> 16));
+          const float2 mc = column_pair(m, col);
+          mu[M::elem_slot(e)] += mc.x * E::to_float(static_cast<uint16_t>(w & 0xffffu)) +
+                                 mc.y * E::to_float(static_cast<uint16_t>(w >> 16));
         }
       typename M::score_tile s[T];
 #pragma unroll
@@ -791,7 +902,8 @@ template <class E, int D> __global__ void VSA_LINEAR_BOUNDS((band_layout<E, D>::
           const int col = cc * 64 + M::elem_col(e);
           const float a0 = E::to_float(static_cast<uint16_t>(a16[cc][e / 2] & 0xffffu));
           const float a1 = E::to_float(static_cast<uint16_t>(a16[cc][e / 2] >> 16));
-          u[M::elem_slot(e)] += a0 * sigma[col] * s[cc].x[e] + a1 * sigma[col + 1] * s[cc].x[e + 1];
+          const float2 sc = column_pair(sigma, col);
+          u[M::elem_slot(e)] += a0 * sc.x * s[cc].x[e] + a1 * sc.y * s[cc].x[e + 1];
         }
       float inner[R];
 #pragma unroll
@@ -807,14 +919,18 @@ template <class E, int D> __global__ void VSA_LINEAR_BOUNDS((band_layout<E, D>::
 #pragma unroll
         for (int e = 0; e < M::score_elems; e += 2) {
           const int row = row0 + M::elem_row(e), col = cc * 64 + M::elem_col(e), sl = M::elem_slot(e);
+          const float2 sc = column_pair(sigma, col), zc = column_pair(z, col);
           float g[2];
 #pragma unroll
           for (int i = 0; i < 2; ++i) {
             const float a = E::to_float(static_cast<uint16_t>(a16[cc][e / 2] >> (16 * i)));
-            const float da = (sigma[col + i] * s[cc].x[e + i] + z[col + i] * gk[sl]) * inv_den[sl];
-            g[i] = p.phi == feature_map::softmax ? a * (da - inner[sl])
-                   : p.phi == feature_map::elu1  ? da * fminf(a, 1.f)
-                                                 : (a > 0.f ? da : 0.f);
+            const float da = ((i ? sc.y : sc.x) * s[cc].x[e + i] + (i ? zc.y : zc.x) * gk[sl]) * inv_den[sl];
+            if constexpr (F == feature_map::softmax)
+              g[i] = a * (da - inner[sl]);
+            else if constexpr (F == feature_map::elu1)
+              g[i] = da * fminf(a, 1.f);
+            else
+              g[i] = a > 0.f ? da : 0.f;
           }
           if (row < valid)
             *reinterpret_cast<uint32_t*>(dq + row * p.dq.token + col) = E::pack(g[0], g[1]);
@@ -832,7 +948,8 @@ template <class E, int D> __global__ void VSA_LINEAR_BOUNDS((band_layout<E, D>::
           const float w = row < valid ? inv_den[M::elem_slot(e)] : 0.f;
           const float a0 = E::to_float(static_cast<uint16_t>(a16[cc][e / 2] & 0xffffu));
           const float a1 = E::to_float(static_cast<uint16_t>(a16[cc][e / 2] >> 16));
-          *reinterpret_cast<uint32_t*>(qt.at(row, col)) = E::pack(a0 * z[col] * w, a1 * z[col + 1] * w);
+          const float2 zc = column_pair(z, col);
+          *reinterpret_cast<uint32_t*>(qt.at(row, col)) = E::pack(a0 * zc.x * w, a1 * zc.y * w);
         }
 #pragma unroll
       for (int r = 0; r < R; ++r) {
@@ -969,20 +1086,23 @@ struct key_grad_params {
   const float* state_vec; // for m
   const uint16_t* grad_kvn;
   const float* grad_vec;
-  feature_map phi;
 };
 
 template <class E, int D> struct key_grad_shape {
   static constexpr int threads = 4 * warp_mma<E, D>::threads;
-  static constexpr int smem(bool hopper) {
-    return (D / 64 + 2 * copy_stages) * smem_tile<D>::bytes + tile_slack(hopper);
-  }
+  static constexpr int tiles = (D / 64 + 2 * copy_stages) * smem_tile<D>::bytes;
+  // m, dz̄, σ' copied into shared memory after the tiles where that fits (NVIDIA; AMD's 64 KiB are taken by
+  // the tiles at D = 128), as in query_grad.
+  static constexpr int factor_bytes = 3 * D * 4;
+  static constexpr bool factors_in_smem = tiles + factor_bytes + smem_slack <= max_block_smem;
+  static constexpr int smem(bool hopper) { return tiles + (factors_in_smem ? factor_bytes : 0) + tile_slack(hopper); }
   static_assert(smem(true) <= max_block_smem, "key-gradient tiles do not fit");
 };
 
 // dv_j = Σ_d1 φ(k_j)[d1] dKV[d1, :] = β_j Σ_d1 P̂[j, d1] dKVn[d1, :] (P = φ(k_j) σ', P̂ = P / β_j), and
 // dk_j = φ'(k_j)ᵀ db_j with db_j[d1] = σ'[d1] (dKVn (v_j − m))[d1] + dz̄[d1].
-template <class E, int D> __global__ void VSA_LINEAR_BOUNDS((key_grad_shape<E, D>::threads), (D == 128 ? 2 : 4))
+template <class E, int D, feature_map F>
+__global__ void VSA_LINEAR_BOUNDS((key_grad_shape<E, D>::threads), (D == 128 ? 2 : 3))
     key_grad_kernel(key_grad_params p) {
   using M = attention_mma<E, D>;
   constexpr int nthreads = key_grad_shape<E, D>::threads;
@@ -1003,6 +1123,15 @@ template <class E, int D> __global__ void VSA_LINEAR_BOUNDS((key_grad_shape<E, D
   if (begin >= end) return;
   const float* m = p.state_vec + bhk * 3 * D + D;
   const float *dz = p.grad_vec + bhk * 2 * D, *sigma = dz + D;
+  if constexpr (key_grad_shape<E, D>::factors_in_smem) {
+    float* copy = reinterpret_cast<float*>(sm + key_grad_shape<E, D>::tiles / 2);
+    for (int i = tid; i < D; i += nthreads) { // ordered before their use by the loop's first barrier
+      copy[i] = m[i];
+      copy[D + i] = dz[i];
+      copy[2 * D + i] = sigma[i];
+    }
+    m = copy, dz = copy + D, sigma = copy + 2 * D;
+  }
 
   const auto load = [&](int64_t c, int buf) {
     const int valid = p.seq.valid(c);
@@ -1023,21 +1152,28 @@ template <class E, int D> __global__ void VSA_LINEAR_BOUNDS((key_grad_shape<E, D
     const int valid = p.seq.valid(c);
     const smem_tile<D> kt = sk(buf), vt = sv(buf);
 
-    // v − m, in place (valid rows only; the rest stay zero and their results are discarded).
-    for (int i = tid; i < valid * (D / 8); i += nthreads) {
-      const int r = i / (D / 8), cc = i % (D / 8);
-      uint4* at = reinterpret_cast<uint4*>(vt.chunk(r, cc));
-      float x[8];
-      unpack<E>(*at, x);
+    // v − m, in place (valid rows only; the rest stay zero and their results are discarded). A thread keeps
+    // one 16-byte column chunk (and its 8 means) and steps down the rows.
+    {
+      static_assert(nthreads % (D / 8) == 0, "whole rows of chunks per step");
+      const int cc = tid % (D / 8);
+      const float4 m0 = *reinterpret_cast<const float4*>(m + cc * 8),
+                   m1 = *reinterpret_cast<const float4*>(m + cc * 8 + 4);
+      const float mc[8] = {m0.x, m0.y, m0.z, m0.w, m1.x, m1.y, m1.z, m1.w};
+      for (int r = tid / (D / 8); r < valid; r += nthreads / (D / 8)) {
+        uint4* at = reinterpret_cast<uint4*>(vt.chunk(r, cc));
+        float x[8];
+        unpack<E>(*at, x);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) x[j] -= m[cc * 8 + j];
-      *at = pack<E>(x);
+        for (int j = 0; j < 8; ++j) x[j] -= mc[j];
+        *at = pack<E>(x);
+      }
     }
     stores_to_matrix_fence(); // v − m is nt's A, read by wgmma after the barrier below
 
     typename M::score_tile f[T];
     load_band<E, D, T>(f, kt, row0);
-    feature_band<E, D, T>(p.phi, f);
+    feature_band<F, E, D, T>(f);
 
     // dv.
     float beta[R], inv_beta[R];
@@ -1046,8 +1182,10 @@ template <class E, int D> __global__ void VSA_LINEAR_BOUNDS((key_grad_shape<E, D
 #pragma unroll
     for (int cc = 0; cc < T; ++cc)
 #pragma unroll
-      for (int e = 0; e < M::score_elems; ++e)
-        beta[M::elem_slot(e)] = fmaxf(beta[M::elem_slot(e)], f[cc].x[e] * sigma[cc * 64 + M::elem_col(e)]);
+      for (int e = 0; e < M::score_elems; e += 2) {
+        const float2 sc = column_pair(sigma, cc * 64 + M::elem_col(e));
+        beta[M::elem_slot(e)] = fmaxf(beta[M::elem_slot(e)], fmaxf(f[cc].x[e] * sc.x, f[cc].x[e + 1] * sc.y));
+      }
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       beta[r] = M::row_max(beta[r]);
@@ -1060,8 +1198,11 @@ template <class E, int D> __global__ void VSA_LINEAR_BOUNDS((key_grad_shape<E, D
     for (int cc = 0; cc < T; ++cc) {
       typename M::score_tile w;
 #pragma unroll
-      for (int e = 0; e < M::score_elems; ++e)
-        w.x[e] = f[cc].x[e] * sigma[cc * 64 + M::elem_col(e)] * inv_beta[M::elem_slot(e)];
+      for (int e = 0; e < M::score_elems; e += 2) {
+        const float2 sc = column_pair(sigma, cc * 64 + M::elem_col(e));
+        w.x[e] = f[cc].x[e] * sc.x * inv_beta[M::elem_slot(e)];
+        w.x[e + 1] = f[cc].x[e + 1] * sc.y * inv_beta[M::elem_slot(e)];
+      }
       M::nn(o, w, sg(cc));
     }
 #pragma unroll
@@ -1080,11 +1221,13 @@ template <class E, int D> __global__ void VSA_LINEAR_BOUNDS((key_grad_shape<E, D
 #pragma unroll
     for (int cc = 0; cc < T; ++cc)
 #pragma unroll
-      for (int e = 0; e < M::score_elems; ++e) {
+      for (int e = 0; e < M::score_elems; e += 2) {
         const int col = cc * 64 + M::elem_col(e);
-        s[cc].x[e] = sigma[col] * s[cc].x[e] + dz[col];
+        const float2 sc = column_pair(sigma, col), zc = column_pair(dz, col);
+        s[cc].x[e] = sc.x * s[cc].x[e] + zc.x;
+        s[cc].x[e + 1] = sc.y * s[cc].x[e + 1] + zc.y;
       }
-    feature_backward_band<E, D, T>(p.phi, f, s);
+    feature_backward_band<F, E, D, T>(f, s);
     __syncthreads(); // every warp has read its rows of v − m: they now receive dk
 #pragma unroll
     for (int cc = 0; cc < T; ++cc)
