@@ -92,6 +92,14 @@ template <class Kernel> status runs_as_hopper(Kernel k, bool& hopper) {
   return st;
 }
 
+// A kernel parameter that device code may take the address of (the tensor maps of hopper_tma.hpp are read
+// by the copy engine from parameter space). Only NVIDIA has the notion; elsewhere parameters are plain.
+#if VSA_PLATFORM_NVIDIA
+#define VSA_GRID_CONSTANT __grid_constant__
+#else
+#define VSA_GRID_CONSTANT
+#endif
+
 // ---- device-side intrinsics ----------------------------------------------------------------------------
 
 #if VSA_PLATFORM_AMD

@@ -27,6 +27,7 @@
 #include "hopper_wgmma.hpp"
 #endif
 #endif
+#include "hopper_tma.hpp"
 
 namespace vsa {
 namespace gpu {

@@ -93,11 +93,11 @@ template <int D> struct smem_plan {
   // Q, read into registers first, borrows the second stage's K slot. On Hopper the wgmma backend reads Q
   // from shared memory in every product, so Q keeps a slot of its own, and a grid that fills the GPU gets
   // one stage: Q, K and V in 48 KiB for D = 128, three blocks per SM (the registers, 156 a thread, allow
-  // three; the shared memory four), against two with two stages and Q's own slot (80 KiB). Each copy then
-  // waits for the previous tile to be used while the other blocks keep the SM busy. Measured on an H200
-  // (bench/NOTES.md): 1.17x faster than two stages, and 1.09x faster than one stage refilling K and V
-  // separately right after their products (its two extra barriers an iteration cost more than the overlap
-  // gained). The coarse pass keeps two stages: there each block's chain matters, not occupancy.
+  // three; the shared memory four), against two with two stages and Q's own slot (80 KiB). Measured on an
+  // H200 (bench/NOTES.md): 1.17x faster than two stages. With the copy engine (hopper_tma.hpp) K and V are
+  // each refilled right after the product that reads them, so one stage still overlaps copy and work. The
+  // coarse pass keeps two stages and copy_tile: there each block's chain of steps matters, not occupancy,
+  // and one stage through the copy engine measured slower (23.4 → 27.9 µs on wan2.1, bench/NOTES.md v8).
   static constexpr int forward_stages(bool hopper, bool few_blocks) {
     return hopper && !few_blocks ? 1 : 2 * 2 * tile <= max_block_smem ? 2 : 1;
   }

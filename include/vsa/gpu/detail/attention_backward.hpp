@@ -29,6 +29,10 @@ struct backward_params {
   int64_t q_heads, kv_heads, group;
   float scale;
   float scale_log2;
+  // Hopper's sparse pass: the tiles each step loads (K and V for dq, Q and dO for dk/dv) through the copy
+  // engine when the host could encode their maps (tma = 1; hopper_tma.hpp); otherwise copy_tile.
+  int tma;
+  tma_map k_map, v_map, q_map, do_map;
 };
 
 // Writes a 16 × D band of an fp32 accumulator: scaled, plus the coarse gradient spread over the tile's
@@ -61,7 +65,7 @@ __device__ __forceinline__ void store_band(const typename M::out_tile& acc, floa
 }
 
 template <class E, int D, class Sched> __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads))
-    attention_dq_kernel(backward_params p, Sched s) {
+    attention_dq_kernel(const VSA_GRID_CONSTANT backward_params p, Sched s) {
   using M = attention_mma<E, D>;
   constexpr int nthreads = 4 * M::threads;
   constexpr int R = M::rows_per_lane;
@@ -82,8 +86,24 @@ template <class E, int D, class Sched> __global__ void __launch_bounds__((4 * wa
 
   int64_t begin, end;
   s.range(bh, i, begin, end);
+#if VSA_WGMMA
+  // As in the forward, K and V through the copy engine on a barrier each where the host encoded their maps
+  // (hopper_tma.hpp). dO·Vᵀ goes first, so that the next V is in flight during Q·Kᵀ and dS·K, and the next
+  // K during the next dO·Vᵀ.
+  __shared__ __align__(8) uint64_t ready[2];
+  const bool tma = stages == 1 && p.tma != 0;
+  tma::kv_copies copies(ready, tma, tid);
+#else
+  constexpr bool tma = false;
+#endif
   const auto load_kv = [&](int64_t pos, int buf) {
     const int64_t j = s.at(pos);
+#if VSA_WGMMA
+    if (tma) {
+      if (tid == 0) copies.load<D>(sk(0), &p.k_map, sv(0), &p.v_map, j * 64, hk, b);
+      return;
+    }
+#endif
     const int kv = s.valid(j);
     copy_tile(sk(buf), p.k.tile(b, hk, j), p.k.token, kv, tid, nthreads);
     copy_tile(sv(buf), p.v.tile(b, hk, j), p.v.token, kv, tid, nthreads);
@@ -118,8 +138,20 @@ template <class E, int D, class Sched> __global__ void __launch_bounds__((4 * wa
     typename M::score_tile st, dp;
 #pragma unroll
     for (int e = 0; e < M::score_elems; ++e) st.x[e] = 0.f, dp.x[e] = 0.f;
-    M::nt(st, sq, row0, sk(buf));
+      // Both tiles' padding rows are zeroed on the copy-engine path: at a padded column the probability is
+      // zero, and zero times a NaN from dO·Vᵀ, or dS times a NaN of K, would still be NaN.
+#if VSA_WGMMA
+    if (tma) copies.v.wait<D>(sv(0), kv, tid, nthreads);
+#endif
     M::nt(dp, sdo, row0, sv(buf));
+#if VSA_WGMMA
+    if (tma) {
+      __syncthreads(); // every warp's dO·Vᵀ has read V
+      if (tid == 0 && pos + 1 < end) copies.v.load<D>(sv(0), &p.v_map, s.at(pos + 1) * 64, hk, b);
+      copies.k.wait<D>(sk(0), kv, tid, nthreads);
+    }
+#endif
+    M::nt(st, sq, row0, sk(buf));
 #pragma unroll
     for (int e = 0; e < M::score_elems; ++e) {
       const int r = M::elem_slot(e);
@@ -128,6 +160,13 @@ template <class E, int D, class Sched> __global__ void __launch_bounds__((4 * wa
     }
     M::nn(dq, st, sk(buf));
 
+    if (tma) {
+#if VSA_WGMMA
+      __syncthreads(); // every warp's dS·K has read K
+      if (tid == 0 && pos + 1 < end) copies.k.load<D>(sk(0), &p.k_map, s.at(pos + 1) * 64, hk, b);
+#endif
+      continue;
+    }
     if (stages == 1) {
       __syncthreads();
       if (pos + 1 < end) load_kv(pos + 1, 0);
@@ -142,7 +181,7 @@ template <class E, int D, class Sched> __global__ void __launch_bounds__((4 * wa
 }
 
 template <class E, int D, class Sched> __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads))
-    attention_dkdv_kernel(backward_params p, Sched s) {
+    attention_dkdv_kernel(const VSA_GRID_CONSTANT backward_params p, Sched s) {
   using M = attention_mma<E, D>;
   constexpr int nthreads = 4 * M::threads;
   constexpr float log2e = 1.4426950408889634f;
@@ -174,11 +213,30 @@ template <class E, int D, class Sched> __global__ void __launch_bounds__((4 * wa
   const auto locate = [&](int g, int64_t& begin, int64_t& end) {
     s.range(b * p.q_heads + hk * p.group + g, j, begin, end);
   };
+#if VSA_WGMMA
+  // Q and dO through the copy engine where the host encoded their maps (hopper_tma.hpp); the row statistics
+  // keep their plain loads. Not at D = 64: there the path costs registers (165 → 174) and with them the
+  // third block an SM, and capped at three blocks it measured slower on the H200 (bench/NOTES.md, v8).
+  __shared__ __align__(8) uint64_t q_ready;
+  const bool tma = D == 128 && stages == 1 && p.tma != 0;
+  tma::tile_pair q_pair{&q_ready, 0u};
+  if (tma) {
+    if (tid == 0) tma::barrier_init(&q_ready, 1);
+    __syncthreads();
+  }
+#endif
   const auto load_q = [&](int g, int64_t pos, int buf) {
     const int64_t h = hk * p.group + g, i = s.at(pos), bh = b * p.q_heads + h;
     const int qv = s.valid(i);
-    copy_tile(sq(buf), p.q.tile(b, h, i), p.q.token, qv, tid, nthreads);
-    copy_tile(sdo(buf), p.d_o.tile(b, h, i), p.d_o.token, qv, tid, nthreads);
+#if VSA_WGMMA
+    if (tma) {
+      if (tid == 0) q_pair.load<D>(sq(buf), &p.q_map, sdo(buf), &p.do_map, i * 64, h, b);
+    } else
+#endif
+    {
+      copy_tile(sq(buf), p.q.tile(b, h, i), p.q.token, qv, tid, nthreads);
+      copy_tile(sdo(buf), p.d_o.tile(b, h, i), p.d_o.token, qv, tid, nthreads);
+    }
     if (stats_in_smem && tid < 64) {
       const bool live = tid < qv;
       stats[buf * 128 + tid] = live ? p.lse[bh * rows_total + i * 64 + tid] * log2e : __builtin_huge_valf();
@@ -190,6 +248,14 @@ template <class E, int D, class Sched> __global__ void __launch_bounds__((4 * wa
 #pragma unroll
   for (int e = 0; e < M::out_elems; ++e) dk.x[e] = 0.f, dv.x[e] = 0.f;
 
+  const auto wait_q = [&](int64_t pos, int buf) {
+#if VSA_WGMMA
+    if (tma) q_pair.wait<D>(sq(buf), sdo(buf), s.valid(s.at(pos)), tid, nthreads);
+#else
+    (void)pos, (void)buf;
+#endif
+  };
+
   int g = 0;
   int64_t pos = 0, end = 0;
   locate(0, pos, end);
@@ -197,6 +263,7 @@ template <class E, int D, class Sched> __global__ void __launch_bounds__((4 * wa
   if (g < p.group) load_q(g, pos, 0);
   copy_commit();
   copy_wait<0>();
+  if (g < p.group) wait_q(pos, 0);
   __syncthreads();
 
   int buf = 0;
@@ -240,6 +307,7 @@ template <class E, int D, class Sched> __global__ void __launch_bounds__((4 * wa
       copy_commit();
     }
     copy_wait<0>();
+    if (ng < p.group) wait_q(npos, stages == 2 ? buf ^ 1 : 0);
     __syncthreads();
     g = ng, pos = npos, end = nend, buf ^= (stages - 1);
   }
@@ -261,43 +329,51 @@ struct delta_params {
   int64_t q_heads, rows_total, tiles;
 };
 
-template <int D> inline constexpr int delta_lanes = D / 8;
+template <int D> inline constexpr int delta_lanes = D / 8; // threads a row: 8 columns (16 bytes) each
 
+// A block per (query tile, head, batch): its 64 rows, delta_lanes<D> threads a row, so that one thread has
+// the 16-byte loads of several rows in flight at once (a thread a row-chunk had two, and the kernel read
+// at ~60% of the copy rate on the H200) and the tile's o_c row is loaded once. Rows past the tile's valid
+// count read nothing; where they exist in memory (the padding rows of the sparse pass) delta is 0 there.
 template <class E, int D, class Sched> __global__ void __launch_bounds__(256)
-    attention_delta_kernel(delta_params p, Sched s, int64_t total_rows) {
-  constexpr int lanes = delta_lanes<D>;
-  const int64_t gid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t row = gid / lanes;
-  const int col = static_cast<int>(gid % lanes) * 8;
-  float acc = 0.f;
-  if (row < total_rows) {
-    const int64_t bh = row / p.rows_total, r = row % p.rows_total, b = bh / p.q_heads, h = bh % p.q_heads;
-    const int64_t tile = r / 64;
-    if ((r % 64) < s.valid(tile)) {
-      const auto load8 = [&](const operand& t) {
-        return *reinterpret_cast<const uint4*>(t.data + b * t.batch + h * t.head + r * t.token + col);
-      };
-      const uint4 ov = load8(p.o), dv = load8(p.d_o);
-      uint4 gv = make_uint4(0, 0, 0, 0), cv = make_uint4(0, 0, 0, 0);
-      if (p.o_c != nullptr) {
-        cv = *reinterpret_cast<const uint4*>(p.o_c + (bh * p.tiles + tile) * D + col);
-        if (p.gate.data != nullptr) gv = load8(p.gate);
-      }
-      const uint16_t* o8 = reinterpret_cast<const uint16_t*>(&ov);
-      const uint16_t* d8 = reinterpret_cast<const uint16_t*>(&dv);
-      const uint16_t* g8 = reinterpret_cast<const uint16_t*>(&gv);
-      const uint16_t* c8 = reinterpret_cast<const uint16_t*>(&cv);
+    attention_delta_kernel(delta_params p, Sched s) {
+  constexpr int lanes = delta_lanes<D>, rows_per_pass = 256 / lanes, passes = 64 / rows_per_pass;
+  const int64_t tile = blockIdx.x, h = blockIdx.y, b = blockIdx.z, bh = b * p.q_heads + h;
+  const int tid = static_cast<int>(threadIdx.x) % 256, col = (tid % lanes) * 8, sub = tid / lanes;
+  const int valid = s.valid(tile);
+  const bool coarse = p.o_c != nullptr, gated = coarse && p.gate.data != nullptr;
+  const auto load8 = [&](const operand& t, int r) {
+    return *reinterpret_cast<const uint4*>(t.data + b * t.batch + h * t.head + (tile * 64 + r) * t.token + col);
+  };
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+  const uint4 cv = coarse ? *reinterpret_cast<const uint4*>(p.o_c + (bh * p.tiles + tile) * D + col) : zero;
+  uint4 ov[passes], dv[passes], gv[passes];
 #pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        float x = E::to_float(o8[k]);
-        if (p.o_c != nullptr) x -= (p.gate.data != nullptr ? E::to_float(g8[k]) : 1.f) * E::to_float(c8[k]);
-        acc += E::to_float(d8[k]) * x;
-      }
-    }
+  for (int k = 0; k < passes; ++k) {
+    const int r = sub + k * rows_per_pass;
+    const bool live = r < valid;
+    ov[k] = live ? load8(p.o, r) : zero;
+    dv[k] = live ? load8(p.d_o, r) : zero;
+    gv[k] = live && gated ? load8(p.gate, r) : zero;
   }
+  const uint16_t* c8 = reinterpret_cast<const uint16_t*>(&cv);
 #pragma unroll
-  for (int m = lanes / 2; m > 0; m /= 2) acc += shfl_xor(acc, m);
-  if (row < total_rows && col == 0) p.delta[row] = acc;
+  for (int k = 0; k < passes; ++k) {
+    const uint16_t* o8 = reinterpret_cast<const uint16_t*>(&ov[k]);
+    const uint16_t* d8 = reinterpret_cast<const uint16_t*>(&dv[k]);
+    const uint16_t* g8 = reinterpret_cast<const uint16_t*>(&gv[k]);
+    float acc = 0.f;
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      float x = E::to_float(o8[c]);
+      if (coarse) x -= (gated ? E::to_float(g8[c]) : 1.f) * E::to_float(c8[c]);
+      acc += E::to_float(d8[c]) * x;
+    }
+#pragma unroll
+    for (int m = lanes / 2; m > 0; m /= 2) acc += shfl_xor(acc, m);
+    const int64_t row = tile * 64 + sub + k * rows_per_pass;
+    if (row < s.rows_total() && col == 0) p.delta[bh * s.rows_total() + row] = acc;
+  }
 }
 
 // Longest-first launch order of the dk/dv blocks within each (batch, kv head). The selection from data is

@@ -23,11 +23,15 @@ struct forward_params {
   int64_t group; // q_heads / kv_heads
   float scale;
   float scale_log2; // scale · log2(e)
+  // Hopper's sparse pass: K and V tiles through the copy engine (hopper_tma.hpp) when the host could encode
+  // their maps (tma = 1); otherwise, and everywhere else, copy_tile.
+  int tma;
+  tma_map k_map, v_map;
 };
 
 template <class E, int D, class Sched>
 __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blocks)
-    attention_forward_kernel(forward_params p, Sched s) {
+    attention_forward_kernel(const VSA_GRID_CONSTANT forward_params p, Sched s) {
   using M = attention_mma<E, D>;
   constexpr int nthreads = 4 * M::threads;
   constexpr int R = M::rows_per_lane;
@@ -57,8 +61,25 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
   int64_t begin, end;
   s.range(bh, i, begin, end);
   const int64_t steps = end - begin;
+#if VSA_WGMMA
+  // Hopper's sparse pass takes its K and V tiles through the copy engine where the host encoded their maps
+  // (hopper_tma.hpp: thread 0 asks, an mbarrier per tile counts the bytes, every thread waits). Each tile's
+  // next copy is asked for as soon as the step's product reading it is done: the next K is in flight during
+  // the softmax and P·V, the next V during the next Q·Kᵀ.
+  __shared__ __align__(8) uint64_t ready[2];
+  const bool tma = !Sched::few_blocks && stages == 1 && p.tma != 0;
+  tma::kv_copies copies(ready, tma, tid);
+#else
+  constexpr bool tma = false;
+#endif
   const auto load_kv = [&](int64_t pos, int buf) {
     const int64_t j = s.at(pos);
+#if VSA_WGMMA
+    if (tma) {
+      if (tid == 0) copies.load<D>(sk(0), &p.k_map, sv(0), &p.v_map, j * 64, hk, b);
+      return;
+    }
+#endif
     const int kv = s.valid(j);
     copy_tile(sk(buf), p.k.tile(b, hk, j), p.k.token, kv, tid, nthreads);
     copy_tile(sv(buf), p.v.tile(b, hk, j), p.v.token, kv, tid, nthreads);
@@ -89,6 +110,10 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
     typename M::score_tile st;
 #pragma unroll
     for (int e = 0; e < M::score_elems; ++e) st.x[e] = 0.f;
+#if VSA_WGMMA
+    // K's padding rows need no zeros: the select below masks the scores they make, NaN included.
+    if (tma) copies.k.wait();
+#endif
     if constexpr (M::rows_in_registers) {
       M::nt(st, qf, sk(buf));
     } else {
@@ -97,6 +122,12 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
 
     const int64_t j = s.at(pos);
     const int kv = s.valid(j);
+#if VSA_WGMMA
+    if (tma) {
+      __syncthreads(); // every warp's Q·Kᵀ has read K
+      if (tid == 0 && pos + 1 < end) copies.k.load<D>(sk(0), &p.k_map, s.at(pos + 1) * 64, hk, b);
+    }
+#endif
     if constexpr (Sched::few_blocks) { // only the coarse pass writes scores
       if (p.scores != nullptr) {
         // Elements e and e + 1 (e even) are neighbours in one row in every accumulator layout, so they go out
@@ -148,8 +179,19 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
 #pragma unroll
     for (int e = 0; e < M::out_elems; ++e) o.x[e] *= alpha[M::elem_slot(e)];
 
+#if VSA_WGMMA
+    // V's padding rows are zeroed: a zero probability times a NaN there would still be NaN.
+    if (tma) copies.v.wait<D>(sv(0), kv, tid, nthreads);
+#endif
     M::nn(o, st, sv(buf));
 
+    if (tma) {
+#if VSA_WGMMA
+      __syncthreads(); // every warp's P·V has read V
+      if (tid == 0 && pos + 1 < end) copies.v.load<D>(sv(0), &p.v_map, s.at(pos + 1) * 64, hk, b);
+#endif
+      continue;
+    }
     if (stages == 1) {
       __syncthreads(); // every warp is done with the only stage before it is refilled
       if (pos + 1 < end) load_kv(pos + 1, 0);

@@ -42,15 +42,23 @@ status launch_forward(const forward_params& fp, const Sched& s, int64_t batch, i
   st = prepare(kernel, smem);
   if (!st) return st;
   const dim3 grid(static_cast<unsigned>(s.tiles), static_cast<unsigned>(heads), static_cast<unsigned>(batch));
-  kernel<<<grid, 4 * M::threads, smem, stream>>>(fp, s);
+  forward_params f = fp;
+  f.tma = 0;
+  if constexpr (!Sched::few_blocks) { // the coarse pass keeps copy_tile (smem_plan::forward_stages says why)
+    // Hopper's sparse pass copies K and V through the copy engine where both maps encode (hopper_tma.hpp).
+    const int64_t kv_heads = heads / fp.group, tokens = s.rows_total();
+    if (hopper && encode_tile_map(f.k_map, fp.k.data, batch, tokens, kv_heads, D, fp.k.batch, fp.k.token, fp.k.head) &&
+        encode_tile_map(f.v_map, fp.v.data, batch, tokens, kv_heads, D, fp.v.batch, fp.v.token, fp.v.head))
+      f.tma = 1;
+  }
+  kernel<<<grid, 4 * M::threads, smem, stream>>>(f, s);
   return launch_status("attention forward");
 }
 
 template <class E, int D, class Sched>
 status launch_delta(const delta_params& dp, const Sched& s, int64_t batch, stream_t stream) {
-  const int64_t rows = batch * dp.q_heads * dp.rows_total;
-  const int64_t blocks = (rows * delta_lanes<D> + 255) / 256;
-  attention_delta_kernel<E, D, Sched><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(dp, s, rows);
+  const dim3 grid(static_cast<unsigned>(s.tiles), static_cast<unsigned>(dp.q_heads), static_cast<unsigned>(batch));
+  attention_delta_kernel<E, D, Sched><<<grid, 256, 0, stream>>>(dp, s);
   return launch_status("attention delta");
 }
 
@@ -82,13 +90,25 @@ template <class E, int D, class Sched> status launch_backward(const backward_par
   if (!st) return st;
   const dim3 qgrid(static_cast<unsigned>(q_sched.tiles), static_cast<unsigned>(bp.q_heads),
                    static_cast<unsigned>(batch));
-  dq_kernel<<<qgrid, 4 * M::threads, smem, stream>>>(bp, q_sched);
+  backward_params b = bp;
+  b.tma = 0;
+  // On Hopper the tiles go through the copy engine where all four maps encode (hopper_tma.hpp). The maps end
+  // at the rows that exist in memory: the coarse pass's last block of means is short, and the copy engine
+  // fills the rows past the end with zeros instead of reading them.
+  const int64_t tokens = q_sched.rows_total();
+  const auto map = [&](tma_map& m, const operand& x, int64_t heads) {
+    return encode_tile_map(m, x.data, batch, tokens, heads, D, x.batch, x.token, x.head);
+  };
+  if (hopper && map(b.k_map, bp.k, bp.kv_heads) && map(b.v_map, bp.v, bp.kv_heads) && map(b.q_map, bp.q, bp.q_heads) &&
+      map(b.do_map, bp.d_o, bp.q_heads))
+    b.tma = 1;
+  dq_kernel<<<qgrid, 4 * M::threads, smem, stream>>>(b, q_sched);
   st = launch_status("attention backward (dq)");
   if (!st) return st;
   const dim3 kgrid = bp.order != nullptr ? dim3(static_cast<unsigned>(k_sched.tiles * bp.kv_heads * batch))
                                          : dim3(static_cast<unsigned>(k_sched.tiles),
                                                 static_cast<unsigned>(bp.kv_heads), static_cast<unsigned>(batch));
-  dkdv_kernel<<<kgrid, 4 * M::threads, smem, stream>>>(bp, k_sched);
+  dkdv_kernel<<<kgrid, 4 * M::threads, smem, stream>>>(b, k_sched);
   return launch_status("attention backward (dk, dv)");
 }
 

@@ -40,7 +40,7 @@ struct sparse_schedule {
   int64_t capacity;      // q2k_capacity
   int64_t tiles;         // N
 
-  __device__ __forceinline__ int64_t rows_total() const { return tiles * 64; }
+  __host__ __device__ __forceinline__ int64_t rows_total() const { return tiles * 64; }
   // Range [begin, end) of list entries of (head bh, tile i). Counts and offsets come from the caller or
   // from earlier kernels; they are clamped so that a corrupt list can cost results, never memory safety.
   __device__ __forceinline__ void range(int64_t bh, int64_t i, int64_t& begin, int64_t& end) const {
@@ -74,7 +74,7 @@ struct dense_schedule {
   int64_t length;                                 // N rows
   int64_t tiles;                                  // ⌈N / 64⌉
 
-  __device__ __forceinline__ int64_t rows_total() const { return length; }
+  __host__ __device__ __forceinline__ int64_t rows_total() const { return length; }
   __device__ __forceinline__ int valid(int64_t tile) const {
     const int64_t rest = length - tile * 64;
     return rest < 64 ? static_cast<int>(rest) : 64;
