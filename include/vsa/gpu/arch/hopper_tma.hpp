@@ -122,6 +122,15 @@ __device__ __forceinline__ void load_box(uint16_t* dst, const tma_map* map, uint
                : "memory");
 }
 
+// Initialises `count` barriers of one arrival each when `on` (thread 0), then the block meets once, so that
+// no thread waits on a barrier before it exists. Every thread of the block calls it.
+__device__ __forceinline__ void init_barriers(uint64_t* bars, int count, bool on, int tid) {
+  if (!on) return;
+  if (tid == 0)
+    for (int i = 0; i < count; ++i) barrier_init(&bars[i], 1);
+  __syncthreads();
+}
+
 // The pipelines' use of the above: two tiles (K and V, or Q and dO) of one (token block, head, batch), asked
 // for by thread 0 and counted on one barrier, then waited for by every thread.
 struct tile_pair {
@@ -194,15 +203,11 @@ struct tile_one {
 };
 
 // K and V of the forward's and dq's steps, each on one of the two barriers `bars` (a __shared__ array of the
-// kernel). Every thread of the block constructs it; when `on`, thread 0 initialises the barriers and the
-// block meets once, so that no thread waits on a barrier before it exists.
+// kernel). Every thread of the block constructs it; `on` as for init_barriers.
 struct kv_copies {
   tile_one k, v;
   __device__ __forceinline__ kv_copies(uint64_t (&bars)[2], bool on, int tid) : k{&bars[0], 0u}, v{&bars[1], 0u} {
-    if (on) {
-      if (tid == 0) barrier_init(&bars[0], 1), barrier_init(&bars[1], 1);
-      __syncthreads();
-    }
+    init_barriers(bars, 2, on, tid);
   }
   // Thread 0: both tiles of key block `token`.
   template <int D> __device__ __forceinline__ void load(smem_tile<D> kt, const tma_map* k_map, smem_tile<D> vt,

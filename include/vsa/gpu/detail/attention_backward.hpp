@@ -138,9 +138,9 @@ template <class E, int D, class Sched> __global__ void __launch_bounds__((4 * wa
     typename M::score_tile st, dp;
 #pragma unroll
     for (int e = 0; e < M::score_elems; ++e) st.x[e] = 0.f, dp.x[e] = 0.f;
-      // Both tiles' padding rows are zeroed on the copy-engine path: at a padded column the probability is
-      // zero, and zero times a NaN from dO·Vᵀ, or dS times a NaN of K, would still be NaN.
 #if VSA_WGMMA
+    // Both tiles' padding rows are zeroed on the copy-engine path: at a padded column the probability is
+    // zero, and zero times a NaN from dO·Vᵀ, or dS times a NaN of K, would still be NaN.
     if (tma) copies.v.wait<D>(sv(0), kv, tid, nthreads);
 #endif
     M::nt(dp, sdo, row0, sv(buf));
@@ -220,10 +220,7 @@ template <class E, int D, class Sched> __global__ void __launch_bounds__((4 * wa
   __shared__ __align__(8) uint64_t q_ready;
   const bool tma = D == 128 && stages == 1 && p.tma != 0;
   tma::tile_pair q_pair{&q_ready, 0u};
-  if (tma) {
-    if (tid == 0) tma::barrier_init(&q_ready, 1);
-    __syncthreads();
-  }
+  tma::init_barriers(&q_ready, 1, tma, tid);
 #endif
   const auto load_q = [&](int g, int64_t pos, int buf) {
     const int64_t h = hk * p.group + g, i = s.at(pos), bh = b * p.q_heads + h;
