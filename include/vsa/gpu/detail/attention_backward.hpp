@@ -9,6 +9,8 @@
 #include "../arch/matrix.hpp"
 #include "attention_schedule.hpp"
 
+#include <type_traits>
+
 namespace vsa {
 namespace gpu {
 namespace detail {
@@ -152,12 +154,21 @@ template <class E, int D, class Sched> __global__ void __launch_bounds__((4 * wa
     }
 #endif
     M::nt(st, sq, row0, sk(buf));
+    // dS; the columns past the key tile's valid count get P = 0 (a whole tile, the common case, without a
+    // test per element, as in the forward).
+    const auto make_ds = [&](auto whole) {
 #pragma unroll
-    for (int e = 0; e < M::score_elems; ++e) {
-      const int r = M::elem_slot(e);
-      const float pr = M::elem_col(e) < kv ? fast_exp2(st.x[e] * p.scale_log2 - lse2[r]) : 0.f;
-      st.x[e] = pr * (dp.x[e] - delta[r]); // dS
-    }
+      for (int e = 0; e < M::score_elems; ++e) {
+        const int r = M::elem_slot(e);
+        const float pr =
+            decltype(whole)::value || M::elem_col(e) < kv ? fast_exp2(st.x[e] * p.scale_log2 - lse2[r]) : 0.f;
+        st.x[e] = pr * (dp.x[e] - delta[r]);
+      }
+    };
+    if (kv == 64)
+      make_ds(std::true_type{});
+    else
+      make_ds(std::false_type{});
     M::nn(dq, st, sk(buf));
 
     if (tma) {

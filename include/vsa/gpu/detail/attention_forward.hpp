@@ -7,6 +7,7 @@
 #include "attention_schedule.hpp"
 
 #include <cmath>
+#include <type_traits>
 
 namespace vsa {
 namespace gpu {
@@ -135,16 +136,26 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
         const int len = static_cast<int>(s.rows_total());
         float* out = p.scores + (bh * len + i * 64) * len + j * 64;
         const bool pairs = len % 2 == 0 && reinterpret_cast<uintptr_t>(p.scores) % 8 == 0;
+        if (pairs && q_valid == 64 && kv == 64) {
+          // A whole block (every one but the last row and column of blocks): no test per pair. With the
+          // tests, their branches were a fifth of the kernel's stall samples (bench/NOTES-selection.md, v9).
 #pragma unroll
-        for (int e = 0; e < M::score_elems; e += 2) {
-          const int r = row0 + M::elem_row(e), c = M::elem_col(e);
-          if (r >= q_valid) continue;
-          const float x0 = st.x[e] * p.scale, x1 = st.x[e + 1] * p.scale;
-          if (pairs && c + 1 < kv) {
-            *reinterpret_cast<float2*>(out + r * len + c) = make_float2(x0, x1);
-          } else {
-            if (c < kv) out[r * len + c] = x0;
-            if (c + 1 < kv) out[r * len + c + 1] = x1;
+          for (int e = 0; e < M::score_elems; e += 2) {
+            const int r = row0 + M::elem_row(e), c = M::elem_col(e);
+            *reinterpret_cast<float2*>(out + r * len + c) = make_float2(st.x[e] * p.scale, st.x[e + 1] * p.scale);
+          }
+        } else {
+#pragma unroll
+          for (int e = 0; e < M::score_elems; e += 2) {
+            const int r = row0 + M::elem_row(e), c = M::elem_col(e);
+            if (r >= q_valid) continue;
+            const float x0 = st.x[e] * p.scale, x1 = st.x[e + 1] * p.scale;
+            if (pairs && c + 1 < kv) {
+              *reinterpret_cast<float2*>(out + r * len + c) = make_float2(x0, x1);
+            } else {
+              if (c < kv) out[r * len + c] = x0;
+              if (c + 1 < kv) out[r * len + c + 1] = x1;
+            }
           }
         }
       }
@@ -153,12 +164,20 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
     float mx[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) mx[r] = -inf;
+    // Scaled scores and their row maxima; the columns past the key tile's valid count masked. Only tiles at
+    // the video's edges are partial, so a whole tile takes a path without a test per element.
+    const auto scale_and_max = [&](auto whole) {
 #pragma unroll
-    for (int e = 0; e < M::score_elems; ++e) {
-      const float x = M::elem_col(e) < kv ? st.x[e] * p.scale_log2 : -inf;
-      st.x[e] = x;
-      mx[M::elem_slot(e)] = fmaxf(mx[M::elem_slot(e)], x);
-    }
+      for (int e = 0; e < M::score_elems; ++e) {
+        const float x = decltype(whole)::value || M::elem_col(e) < kv ? st.x[e] * p.scale_log2 : -inf;
+        st.x[e] = x;
+        mx[M::elem_slot(e)] = fmaxf(mx[M::elem_slot(e)], x);
+      }
+    };
+    if (kv == 64)
+      scale_and_max(std::true_type{});
+    else
+      scale_and_max(std::false_type{});
     float base[R], alpha[R], sum[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
