@@ -364,18 +364,21 @@ template <class E, int D, class Sched> __global__ void __launch_bounds__(256)
     dv[k] = live ? load8(p.d_o, r) : zero;
     gv[k] = live && gated ? load8(p.gate, r) : zero;
   }
-  const uint16_t* c8 = reinterpret_cast<const uint16_t*>(&cv);
+  // Element c of a loaded vector is taken out of its 32-bit word by a shift, not read through a 16-bit
+  // pointer: a pointer into the vectors makes them addressable, and the AMD compiler then keeps them in LDS
+  // instead of registers (bench/NOTES-amd.md).
+  const auto elem = [](const uint4& v, int c) {
+    const uint32_t w = c < 2 ? v.x : c < 4 ? v.y : c < 6 ? v.z : v.w;
+    return static_cast<uint16_t>(c % 2 == 0 ? w & 0xffffu : w >> 16);
+  };
 #pragma unroll
   for (int k = 0; k < passes; ++k) {
-    const uint16_t* o8 = reinterpret_cast<const uint16_t*>(&ov[k]);
-    const uint16_t* d8 = reinterpret_cast<const uint16_t*>(&dv[k]);
-    const uint16_t* g8 = reinterpret_cast<const uint16_t*>(&gv[k]);
     float acc = 0.f;
 #pragma unroll
     for (int c = 0; c < 8; ++c) {
-      float x = E::to_float(o8[c]);
-      if (coarse) x -= (gated ? E::to_float(g8[c]) : 1.f) * E::to_float(c8[c]);
-      acc += E::to_float(d8[c]) * x;
+      float x = E::to_float(elem(ov[k], c));
+      if (coarse) x -= (gated ? E::to_float(elem(gv[k], c)) : 1.f) * E::to_float(elem(cv, c));
+      acc += E::to_float(elem(dv[k], c)) * x;
     }
 #pragma unroll
     for (int m = lanes / 2; m > 0; m /= 2) acc += shfl_xor(acc, m);
