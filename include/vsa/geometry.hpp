@@ -65,6 +65,47 @@ private:
   }
 };
 
+// Division of 32-bit values below 2^31 by a divisor fixed at construction, through one high multiply, an add
+// and a shift (the round-up method of Granlund and Montgomery): with l = ceil(log2 d) and
+// mul = floor(2^32 (2^l - d) / d) + 1, n / d = (hi32(n · mul) + n) >> l for every n < 2^32; n < 2^31 keeps the
+// sum inside 32 bits. A kernel that needs the valid count of every tile it visits divides twice per tile: as
+// machine division that is a reciprocal on the special-function unit and ~10 more instructions each.
+struct fast_divider {
+  uint32_t divisor = 1, mul = 1, shift = 0;
+
+  fast_divider() = default;
+  VSA_HOST_DEVICE explicit fast_divider(uint32_t d) : divisor(d) {
+    while ((uint64_t(1) << shift) < d) ++shift;
+    mul = static_cast<uint32_t>(((uint64_t(1) << 32) * ((uint64_t(1) << shift) - d)) / d + 1);
+  }
+  VSA_HOST_DEVICE uint32_t div(uint32_t n) const {
+    return (static_cast<uint32_t>((static_cast<uint64_t>(n) * mul) >> 32) + n) >> shift;
+  }
+};
+
+// tile_geometry::valid for tile indices below num_tiles() with the divisions by the grid's tile counts done
+// by fast_divider and the extents as 32-bit selects (only the last tile of an axis is short): the same count
+// (tests/cpu/test_layout.cpp compares the two over whole grids).
+struct tile_valid_counter {
+  fast_divider by_w, by_h;
+  uint32_t last_t = 0, last_h = 0, last_w = 0; // index of the last tile along each axis
+  int end_t = 4, end_h = 4, end_w = 4;         // and its extent
+
+  tile_valid_counter() = default;
+  VSA_HOST_DEVICE explicit tile_valid_counter(const tile_geometry& geo)
+      : by_w(static_cast<uint32_t>(geo.tiles.w)), by_h(static_cast<uint32_t>(geo.tiles.h)),
+        last_t(static_cast<uint32_t>(geo.tiles.t - 1)), last_h(static_cast<uint32_t>(geo.tiles.h - 1)),
+        last_w(static_cast<uint32_t>(geo.tiles.w - 1)),
+        end_t(static_cast<int>(geo.grid.t - (geo.tiles.t - 1) * tile_edge)),
+        end_h(static_cast<int>(geo.grid.h - (geo.tiles.h - 1) * tile_edge)),
+        end_w(static_cast<int>(geo.grid.w - (geo.tiles.w - 1) * tile_edge)) {}
+  VSA_HOST_DEVICE int valid(int64_t n) const {
+    const uint32_t u = static_cast<uint32_t>(n), q = by_w.div(u), z = by_h.div(q);
+    const uint32_t x = u - q * by_w.divisor, y = q - z * by_h.divisor;
+    return (z == last_t ? end_t : 4) * (y == last_h ? end_h : 4) * (x == last_w ? end_w : 4);
+  }
+};
+
 // Number of key tiles each query tile keeps: k itself, or clamp(ceil((1 - sparsity)·N), 1, N).
 // Returns 0 when the request is out of range (k > N, k < 0, sparsity outside [0, 1)).
 inline int64_t resolve_top_k(int64_t num_tiles, const options& opt) {

@@ -69,6 +69,25 @@ TEST_CASE("tile geometry agrees with the definition", "[cpu][layout]") {
   }
 }
 
+TEST_CASE("the kernels' valid counts by multiplication agree with the geometry", "[cpu][layout]") {
+  // fast_divider against machine division: small divisors over a range of dividends, large ones at the edges.
+  for (uint32_t d = 1; d < 600; ++d) {
+    const fast_divider f(d);
+    for (uint32_t n = 0; n < 5000; ++n) REQUIRE(f.div(n) == n / d);
+    for (uint32_t n : {0x3fffffffu, 0x40000000u, 0x7fffffffu}) REQUIRE(f.div(n) == n / d);
+  }
+  for (uint32_t d : {1023u, 1024u, 1025u, 65535u, 65536u, 65537u, 0x3fffffffu, 0x40000000u}) {
+    const fast_divider f(d);
+    for (uint32_t n : {0u, d - 1, d, d + 1, 2 * d - 1, 0x7ffffffeu, 0x7fffffffu}) REQUIRE(f.div(n) == n / d);
+  }
+  for (const grid3 grid :
+       {grid3{5, 6, 7}, grid3{21, 30, 52}, grid3{1, 1, 1}, grid3{12, 8, 16}, grid3{3, 1, 4097}, grid3{31, 45, 80}}) {
+    const tile_geometry geo(grid);
+    const tile_valid_counter counter(geo);
+    for (int64_t n = 0; n < geo.num_tiles(); ++n) REQUIRE(counter.valid(n) == geo.valid(n));
+  }
+}
+
 TEST_CASE("tile and untile reject bad arguments and leave outputs untouched", "[cpu][layout][errors]") {
   const problem p = make_problem({5, 6, 7}, 1, 2, 2, 4, dtype::f32);
   const tile_geometry geo(p.grid);

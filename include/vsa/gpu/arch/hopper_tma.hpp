@@ -131,6 +131,29 @@ __device__ __forceinline__ void init_barriers(uint64_t* bars, int count, bool on
   __syncthreads();
 }
 
+// Thread 0 of the block: the D/64 panels of the tile at token `token` of head `head`, batch `batch`, counted on
+// bar (one arrival announcing the tile's bytes).
+template <int D> __device__ __forceinline__ void load_tile(smem_tile<D> t, const tma_map* map, uint64_t* bar,
+                                                           int64_t token, int64_t head, int64_t batch) {
+  arrive_expect(bar, smem_tile<D>::bytes);
+#pragma unroll
+  for (int c = 0; c < D / smem_layout::panel_cols; ++c)
+    load_box(t.base + c * smem_layout::panel, map, bar, c * smem_layout::panel_cols, static_cast<int>(token),
+             static_cast<int>(head), static_cast<int>(batch));
+}
+// Every thread, once a tile has landed: zeroes its rows at and past `valid` (a box is a whole tile, padding
+// slots included, and a padding slot may hold anything: a NaN times a zero probability is NaN), then the block
+// meets so that every thread's zeros are in place before any warp's product reads them. `valid` is the same for
+// every thread: the barrier is reached by all or none.
+template <int D> __device__ __forceinline__ void clear_rows(smem_tile<D> t, int valid, int tid, int nthreads) {
+  if (valid >= tile_rows) return;
+  constexpr int chunks = smem_tile<D>::chunks;
+  for (int x = tid; x < (tile_rows - valid) * chunks; x += nthreads)
+    *reinterpret_cast<uint4*>(t.chunk(valid + x / chunks, x % chunks)) = make_uint4(0u, 0u, 0u, 0u);
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  __syncthreads();
+}
+
 // The pipelines' use of the above: two tiles (K and V, or Q and dO) of one (token block, head, batch), asked
 // for by thread 0 and counted on one barrier, then waited for by every thread.
 struct tile_pair {
@@ -178,11 +201,7 @@ struct tile_one {
   // Thread 0 of the block: the D/64 panels of the tile at token `token` of head `head`, batch `batch`.
   template <int D>
   __device__ __forceinline__ void load(smem_tile<D> t, const tma_map* map, int64_t token, int64_t head, int64_t batch) {
-    arrive_expect(bar, smem_tile<D>::bytes);
-#pragma unroll
-    for (int c = 0; c < D / smem_layout::panel_cols; ++c)
-      load_box(t.base + c * smem_layout::panel, map, bar, c * smem_layout::panel_cols, static_cast<int>(token),
-               static_cast<int>(head), static_cast<int>(batch));
+    load_tile<D>(t, map, bar, token, head, batch);
   }
   // Every thread: waits for the tile. For a tile whose padding rows a product would read as data, pass
   // its valid row count: rows at and past it are zeroed (as tile_pair::wait), and the block meets at a
@@ -193,12 +212,7 @@ struct tile_one {
   }
   template <int D> __device__ __forceinline__ void wait(smem_tile<D> t, int valid, int tid, int nthreads) {
     wait();
-    if (valid >= tile_rows) return; // the same for every thread: the barrier below is reached by all or none
-    constexpr int chunks = smem_tile<D>::chunks;
-    for (int x = tid; x < (tile_rows - valid) * chunks; x += nthreads)
-      *reinterpret_cast<uint4*>(t.chunk(valid + x / chunks, x % chunks)) = make_uint4(0u, 0u, 0u, 0u);
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    __syncthreads();
+    clear_rows<D>(t, valid, tid, nthreads);
   }
 };
 

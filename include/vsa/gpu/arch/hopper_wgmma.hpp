@@ -93,18 +93,19 @@ __device__ __forceinline__ void mma_rs(float* d, const uint32_t (&a)[4], uint64_
 }
 
 // d (64 × N) += A · B for one k step, both operands in shared memory; TransA / TransB = 1 for an MN-major
-// operand (A read transposed: its tile's columns are the product's rows). Operand numbers as in VSA_WG_RS.
+// operand (A read transposed: its tile's columns are the product's rows); acc = 0 writes d = A · B instead,
+// ignoring what d held. Operand numbers as in VSA_WG_RS.
 #define VSA_WG_SS(N, TYPE, DLIST, PRED, TAIL, ...)                                                                     \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " PRED ", 0;\n"                                                       \
                "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " DLIST ", " TAIL ";\n}"              \
                : __VA_ARGS__                                                                                           \
-               : "l"(a), "l"(b), "r"(1), "n"(TransA), "n"(TransB))
+               : "l"(a), "l"(b), "r"(acc), "n"(TransA), "n"(TransB))
 #define VSA_WG_SS64(TYPE) VSA_WG_SS(64, TYPE, VSA_WG_D32, "%34", "%32, %33, p, 1, 1, %35, %36", VSA_WG_ACC32(d, 0))
 #define VSA_WG_SS128(TYPE)                                                                                             \
   VSA_WG_SS(128, TYPE, VSA_WG_D64, "%66", "%64, %65, p, 1, 1, %67, %68", VSA_WG_ACC32(d, 0), VSA_WG_ACC32(d, 32))
 
 template <bool BF16, int N, int TransA, int TransB>
-__device__ __forceinline__ void mma_ss(float* d, uint64_t a, uint64_t b) {
+__device__ __forceinline__ void mma_ss(float* d, uint64_t a, uint64_t b, int acc = 1) {
   static_assert(N == 64 || N == 128, "wgmma shapes used: n64, n128");
   if constexpr (N == 64 && BF16) {
     VSA_WG_SS64("bf16");
@@ -177,6 +178,66 @@ template <class E, int D> struct warpgroup_mma : warp_mma<E, D> {
     wgmma::wait<0>();
     wgmma::pin(o.x);
   }
+  // Split forms of nt and nn for a loop that overlaps the products with its own softmax: each issues its chain
+  // of wgmma as one group and returns at once. The caller waits with wait_groups<N> (every group but the N
+  // issued last is complete) before it reads or writes the accumulator, or overwrites the registers of P, of a
+  // group still in flight. nt_into writes s = A · Bᵀ (its first k step does not accumulate), so s needs no
+  // zeros.
+  struct prob_frag { // P rounded to E, as the A operand of nn (four k steps of 16 keys)
+    uint32_t x[4][4];
+  };
+  __device__ __forceinline__ static void pack(prob_frag& a, const score_tile& p) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+        a.x[kk][r] = E::pack(p.x[nv_lanes::p_elem(kk, r, 0)], p.x[nv_lanes::p_elem(kk, r, 1)]);
+  }
+  //
+  // ptxas keeps wgmma groups in flight across other instructions only where nothing but wgmma defines a
+  // register a wgmma of the group reads between the fence and the commit; otherwise it waits after each one
+  // (and says so: C7513). The descriptors of a stage chosen at run time and P's registers are therefore made
+  // before the fence: the empty volatile statements below keep their order with it.
+  __device__ __forceinline__ static void nt_into(score_tile& s, smem_tile<D> a, smem_tile<D> b) {
+    uint64_t da[D / 16], db[D / 16];
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      da[ks] = k_major(a, ks);
+      db[ks] = k_major(b, ks);
+      asm volatile("" : "+l"(da[ks]), "+l"(db[ks]));
+    }
+    wgmma::pin(s.x);
+    wgmma::fence();
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) wgmma::mma_ss<E::is_bf16, 64, 0, 0>(s.x, da[ks], db[ks], ks > 0 ? 1 : 0);
+    wgmma::commit();
+  }
+  __device__ __forceinline__ static void nn_async(out_tile& o, prob_frag& a, smem_tile<D> b) {
+    uint64_t db[4];
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      db[kk] = mn_major(b, kk);
+      asm volatile("" : "+l"(db[kk]));
+    }
+    pin(a);
+    wgmma::pin(o.x);
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma::mma_rs<E::is_bf16, D, 1>(o.x, a.x[kk], db[kk]);
+    wgmma::commit();
+  }
+  template <int N, int S> __device__ __forceinline__ static void wait_groups(float (&acc)[S]) {
+    wgmma::wait<N>();
+    wgmma::pin(acc);
+  }
+  // After the wait that completes the group reading them: keeps P's registers from being reused before then.
+  __device__ __forceinline__ static void pin(prob_frag& a) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(a.x[kk][r])::"memory");
+  }
+
   // o += Aᵀ · B over the 64 rows of two shared tiles (the k axis): A the 64 columns of panel `panel` of tile
   // a, read transposed through an MN-major descriptor, B all D columns of tile b (MN-major, as in nn). Warp w
   // gets rows 16w … 16w+15 of the product, i.e. columns 64·panel + 16w … of a. This is the φᵀ·V form of the

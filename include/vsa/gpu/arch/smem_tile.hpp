@@ -98,8 +98,14 @@ template <int D> struct smem_plan {
   // each refilled right after the product that reads them, so one stage still overlaps copy and work. The
   // coarse pass keeps two stages and copy_tile: there each block's chain of steps matters, not occupancy,
   // and one stage through the copy engine measured slower (23.4 → 27.9 µs on wan2.1, bench/NOTES.md v8).
+  //
+  // Head dim 64 on Hopper is the exception (forward_overlap): its tiles are small (40 KiB for two stages and
+  // Q; registers, not shared memory, bound its blocks an SM), and its matrix work per step is no more than
+  // its exponentials, so the loop overlaps the products of one step with the softmax of the next, which
+  // needs the next K while the current V is still read: two stages.
+  static constexpr bool forward_overlap(bool hopper, bool few_blocks) { return hopper && !few_blocks && D == 64; }
   static constexpr int forward_stages(bool hopper, bool few_blocks) {
-    return hopper && !few_blocks ? 1 : 2 * 2 * tile <= max_block_smem ? 2 : 1;
+    return forward_overlap(hopper, few_blocks) ? 2 : hopper && !few_blocks ? 1 : 2 * 2 * tile <= max_block_smem ? 2 : 1;
   }
   static constexpr bool forward_q_shares(bool hopper, bool few_blocks) {
     return !hopper && forward_stages(hopper, few_blocks) == 2;

@@ -7,7 +7,6 @@
 #include "attention_schedule.hpp"
 
 #include <cmath>
-#include <type_traits>
 
 namespace vsa {
 namespace gpu {
@@ -62,31 +61,48 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
   int64_t begin, end;
   s.range(bh, i, begin, end);
   const int64_t steps = end - begin;
+  // Hopper at head dim 64: the products of a step overlap the softmax of the next (smem_plan::forward_overlap).
+  constexpr bool overlap = smem_plan<D>::forward_overlap(hopper_code, Sched::few_blocks);
 #if VSA_WGMMA
   // Hopper's sparse pass takes its K and V tiles through the copy engine where the host encoded their maps
-  // (hopper_tma.hpp: thread 0 asks, an mbarrier per tile counts the bytes, every thread waits). Each tile's
-  // next copy is asked for as soon as the step's product reading it is done: the next K is in flight during
-  // the softmax and P·V, the next V during the next Q·Kᵀ.
-  __shared__ __align__(8) uint64_t ready[2];
-  const bool tma = !Sched::few_blocks && stages == 1 && p.tma != 0;
-  tma::kv_copies copies(ready, tma, tid);
+  // (hopper_tma.hpp: thread 0 asks, an mbarrier per tile and stage counts the bytes, every thread waits). Each
+  // tile's next copy is asked for as soon as the products reading its stage are done. With one stage the next
+  // K is in flight during the softmax and P·V, the next V during the next Q·Kᵀ; the overlapped loop has two.
+  __shared__ __align__(8) uint64_t ready[2 * stages]; // K, then V, of each stage
+  const bool tma = !Sched::few_blocks && p.tma != 0 && (stages == 1 || overlap);
+  tma::init_barriers(ready, 2 * stages, tma, tid);
+  const auto fetch = [&](smem_tile<D> t, const tma_map* map, uint64_t* bar, int64_t tile) {
+    tma::load_tile<D>(t, map, bar, tile * 64, hk, b);
+  };
 #else
   constexpr bool tma = false;
 #endif
-  const auto load_kv = [&](int64_t pos, int buf) {
-    const int64_t j = s.at(pos);
-#if VSA_WGMMA
-    if (tma) {
-      if (tid == 0) copies.load<D>(sk(0), &p.k_map, sv(0), &p.v_map, j * 64, hk, b);
-      return;
-    }
-#endif
-    const int kv = s.valid(j);
+  const auto count = s.valid_counter();
+  const auto load_kv = [&](int64_t j, int buf) { // copy_tile path; j = -1 copies nothing but zeros
+    const int kv = count.valid(j);
     copy_tile(sk(buf), p.k.tile(b, hk, j), p.k.token, kv, tid, nthreads);
     copy_tile(sv(buf), p.v.tile(b, hk, j), p.v.token, kv, tid, nthreads);
   };
+  // The list entry and valid count of each step are read a step ahead, so that neither the load nor the
+  // count (two divisions, done by multiplication: tile_valid_counter) waits behind the step's products.
+  int64_t j = steps > 0 ? s.at(begin) : -1, j_next = steps > 1 ? s.at(begin + 1) : -1;
+  int kv = count.valid(j);
   copy_tile(sq, p.q.tile(b, h, i), p.q.token, q_valid, tid, nthreads);
-  if (begin < end) load_kv(begin, 0);
+  if (steps > 0) {
+#if VSA_WGMMA
+    if (tma) {
+      if (tid == 0) {
+        fetch(sk(0), &p.k_map, &ready[0], j);
+        fetch(sv(0), &p.v_map, &ready[1], j);
+        if (overlap && steps > 1) {
+          fetch(sk(1), &p.k_map, &ready[2], j_next);
+          fetch(sv(1), &p.v_map, &ready[3], j_next);
+        }
+      }
+    } else
+#endif
+      load_kv(j, 0);
+  }
   copy_commit();
 
   float m[R], l[R];
@@ -102,122 +118,205 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
   if constexpr (M::rows_in_registers) M::load_rows(qf, sq, row0);
   if (q_shares) __syncthreads(); // Q's slot is refilled by the first prefetch
 
-  for (int64_t step = 0; step < steps; ++step) {
-    const int64_t pos = begin + step;
-    const int buf = stages == 2 ? static_cast<int>(step & 1) : 0;
-    if (stages == 2 && pos + 1 < end) load_kv(pos + 1, buf ^ 1);
-    copy_commit();
-
-    typename M::score_tile st;
+  // One step's online softmax, in base 2, on the raw scores st of a key tile with kv valid rows: st becomes P
+  // (unnormalized), m and l move to the new row maxima, alpha is the factor o must be rescaled by. The scale
+  // is folded into the exponent, one fma an element: it is positive (check_scale), so the maximum of the raw
+  // scores, scaled, is the maximum of the scaled scores (rounding is monotone), as before. Only a tile with
+  // padding slots is masked (kv is the same for the whole block): the select drops whatever the padding rows
+  // of K made, NaN included, so K's padding rows need no zeros.
+  const auto softmax = [&](typename M::score_tile& st, int kv_rows, float(&alpha)[R]) {
+    if (kv_rows < tile_rows) {
 #pragma unroll
-    for (int e = 0; e < M::score_elems; ++e) st.x[e] = 0.f;
-#if VSA_WGMMA
-    // K's padding rows need no zeros: the select below masks the scores they make, NaN included.
-    if (tma) copies.k.wait();
-#endif
-    if constexpr (M::rows_in_registers) {
-      M::nt(st, qf, sk(buf));
-    } else {
-      M::nt(st, sq, row0, sk(buf));
+      for (int e = 0; e < M::score_elems; ++e) st.x[e] = M::elem_col(e) < kv_rows ? st.x[e] : -inf;
     }
-
-    const int64_t j = s.at(pos);
-    const int kv = s.valid(j);
-#if VSA_WGMMA
-    if (tma) {
-      __syncthreads(); // every warp's Q·Kᵀ has read K
-      if (tid == 0 && pos + 1 < end) copies.k.load<D>(sk(0), &p.k_map, s.at(pos + 1) * 64, hk, b);
-    }
-#endif
-    if constexpr (Sched::few_blocks) { // only the coarse pass writes scores
-      if (p.scores != nullptr) {
-        // Elements e and e + 1 (e even) are neighbours in one row in every accumulator layout, so they go out
-        // as one 8-byte store where the row length keeps it aligned. Offsets inside the block fit 32 bits.
-        const int len = static_cast<int>(s.rows_total());
-        float* out = p.scores + (bh * len + i * 64) * len + j * 64;
-        const bool pairs = len % 2 == 0 && reinterpret_cast<uintptr_t>(p.scores) % 8 == 0;
-        if (pairs && q_valid == 64 && kv == 64) {
-          // A whole block (every one but the last row and column of blocks): no test per pair. With the
-          // tests, their branches were a fifth of the kernel's stall samples (bench/NOTES-selection.md, v9).
-#pragma unroll
-          for (int e = 0; e < M::score_elems; e += 2) {
-            const int r = row0 + M::elem_row(e), c = M::elem_col(e);
-            *reinterpret_cast<float2*>(out + r * len + c) = make_float2(st.x[e] * p.scale, st.x[e + 1] * p.scale);
-          }
-        } else {
-#pragma unroll
-          for (int e = 0; e < M::score_elems; e += 2) {
-            const int r = row0 + M::elem_row(e), c = M::elem_col(e);
-            if (r >= q_valid) continue;
-            const float x0 = st.x[e] * p.scale, x1 = st.x[e + 1] * p.scale;
-            if (pairs && c + 1 < kv) {
-              *reinterpret_cast<float2*>(out + r * len + c) = make_float2(x0, x1);
-            } else {
-              if (c < kv) out[r * len + c] = x0;
-              if (c + 1 < kv) out[r * len + c + 1] = x1;
-            }
-          }
-        }
-      }
-    }
-
     float mx[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) mx[r] = -inf;
-    // Scaled scores and their row maxima; the columns past the key tile's valid count masked. Only tiles at
-    // the video's edges are partial, so a whole tile takes a path without a test per element.
-    const auto scale_and_max = [&](auto whole) {
 #pragma unroll
-      for (int e = 0; e < M::score_elems; ++e) {
-        const float x = decltype(whole)::value || M::elem_col(e) < kv ? st.x[e] * p.scale_log2 : -inf;
-        st.x[e] = x;
-        mx[M::elem_slot(e)] = fmaxf(mx[M::elem_slot(e)], x);
-      }
-    };
-    if (kv == 64)
-      scale_and_max(std::true_type{});
-    else
-      scale_and_max(std::false_type{});
-    float base[R], alpha[R], sum[R];
+    for (int e = 0; e < M::score_elems; ++e) mx[M::elem_slot(e)] = fmaxf(mx[M::elem_slot(e)], st.x[e]);
+    float nbase[R], sum[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      const float mnew = fmaxf(m[r], M::row_max(mx[r]));
-      base[r] = mnew == -inf ? 0.f : mnew; // a row with nothing valid yet: keep exp2 away from inf - inf
-      alpha[r] = fast_exp2(m[r] - base[r]);
+      const float mnew = fmaxf(m[r], M::row_max(mx[r]) * p.scale_log2);
+      const float base = mnew == -inf ? 0.f : mnew; // a row with nothing valid yet: keep exp2 away from inf - inf
+      alpha[r] = fast_exp2(m[r] - base);
       m[r] = mnew;
+      nbase[r] = -base;
       sum[r] = 0.f;
     }
 #pragma unroll
     for (int e = 0; e < M::score_elems; ++e) {
-      st.x[e] = fast_exp2(st.x[e] - base[M::elem_slot(e)]);
+      st.x[e] = fast_exp2(fmaf(st.x[e], p.scale_log2, nbase[M::elem_slot(e)]));
       sum[M::elem_slot(e)] += st.x[e];
     }
     // Each lane keeps a partial row sum; the lanes of a row agree on m, so one reduction at the end suffices.
 #pragma unroll
     for (int r = 0; r < R; ++r) l[r] = l[r] * alpha[r] + sum[r];
+  };
+  const auto rescale = [&](const float(&alpha)[R]) {
 #pragma unroll
     for (int e = 0; e < M::out_elems; ++e) o.x[e] *= alpha[M::elem_slot(e)];
+  };
 
 #if VSA_WGMMA
-    // V's padding rows are zeroed: a zero probability times a NaN there would still be NaN.
-    if (tma) copies.v.wait<D>(sv(0), kv, tid, nthreads);
-#endif
-    M::nn(o, st, sv(buf));
+  if constexpr (overlap) {
+    if (tma && steps > 0) {
+      // Step n issues S_n = Q·K_nᵀ, then O += P_{n-1}·V_{n-1}, as two wgmma groups, and waits for the first
+      // only: the softmax of S_n runs while the tensor cores do P_{n-1}·V_{n-1}; then it waits for the second
+      // and rescales O by step n's alpha (O was in step n-1's frame, P_n is in step n's). K_n and V_{n-1} sit
+      // in opposite stages (stage = step parity), each on its own barrier, whose phase parity is (step / 2)
+      // mod 2 for the step that uses it. One block barrier a step: after it every warp is done with K_n and
+      // V_{n-1}, and thread 0 refills their stages with K_{n+2} and V_{n+1}, each a step or more ahead of use.
+      typename M::prob_frag pf; // P_{n-1}: the A operand of the P·V group in flight
+      float alpha[R];
+      int64_t j2 = steps > 2 ? s.at(begin + 2) : -1;
+      {
+        typename M::score_tile st;
+        tma::wait(&ready[0], 0u);
+        M::nt_into(st, sq, sk(0));
+        M::template wait_groups<0>(st.x);
+        softmax(st, kv, alpha); // o is still zero: no rescale
+        M::pack(pf, st);
+        __syncthreads(); // every warp's Q·K_0ᵀ has read stage 0's K
+        if (tid == 0 && steps > 2) fetch(sk(0), &p.k_map, &ready[0], j2);
+      }
+      int kv_prev = kv;
+      j = j_next; // j, j_next: the tiles of this step and the next
+      j_next = j2;
+      kv = count.valid(j);
+      for (int64_t step = 1; step < steps; ++step) {
+        const int64_t pos = begin + step;
+        const int buf = static_cast<int>(step & 1), prev = buf ^ 1;
+        const uint32_t phase = static_cast<uint32_t>(step >> 1) & 1u;
+        const uint32_t prev_phase = static_cast<uint32_t>((step - 1) >> 1) & 1u;
+        j2 = pos + 2 < end ? s.at(pos + 2) : -1;
 
-    if (tma) {
-#if VSA_WGMMA
-      __syncthreads(); // every warp's P·V has read V
-      if (tid == 0 && pos + 1 < end) copies.v.load<D>(sv(0), &p.v_map, s.at(pos + 1) * 64, hk, b);
-#endif
-      continue;
+        typename M::score_tile st;
+        tma::wait(&ready[2 * prev + 1], prev_phase);
+        tma::clear_rows<D>(sv(prev), kv_prev, tid, nthreads); // V's padding rows: zero probability times NaN
+        tma::wait(&ready[2 * buf], phase);
+        M::nt_into(st, sq, sk(buf));
+        M::nn_async(o, pf, sv(prev));
+        M::template wait_groups<1>(st.x);
+        softmax(st, kv, alpha);
+        M::template wait_groups<0>(o.x);
+        // P_n is rounded into P_{n-1}'s registers only now that the P·V group has read them: ptxas keeps the
+        // groups in flight only if no other instruction writes a register a wgmma reads while its group runs.
+        M::pin(pf);
+        M::pack(pf, st);
+        rescale(alpha);
+
+        __syncthreads(); // every warp's products have read K_n and V_{n-1}
+        if (tid == 0) {
+          if (pos + 2 < end) fetch(sk(buf), &p.k_map, &ready[2 * buf], j2);
+          if (pos + 1 < end) fetch(sv(prev), &p.v_map, &ready[2 * prev + 1], j_next);
+        }
+        kv_prev = kv;
+        j = j_next;
+        j_next = j2;
+        kv = count.valid(j);
+      }
+      // The last step's P·V.
+      const int64_t last = steps - 1;
+      tma::wait(&ready[2 * static_cast<int>(last & 1) + 1], static_cast<uint32_t>(last >> 1) & 1u);
+      tma::clear_rows<D>(sv(static_cast<int>(last & 1)), kv_prev, tid, nthreads);
+      M::nn_async(o, pf, sv(static_cast<int>(last & 1)));
+      M::template wait_groups<0>(o.x);
+      M::pin(pf);
     }
-    if (stages == 1) {
-      __syncthreads(); // every warp is done with the only stage before it is refilled
-      if (pos + 1 < end) load_kv(pos + 1, 0);
+  }
+#endif
+
+  // Every other case: one step at a time (the coarse pass, head dim 128 on Hopper, other machines, and head
+  // dim 64 on Hopper where the copy engine's maps did not encode).
+  if (!(overlap && tma)) {
+#if VSA_WGMMA
+    tma::tile_one kc{&ready[0], 0u}, vc{&ready[1], 0u};
+#endif
+    for (int64_t step = 0; step < steps; ++step) {
+      const int64_t pos = begin + step;
+      const int buf = stages == 2 ? static_cast<int>(step & 1) : 0;
+      const int64_t j2 = pos + 2 < end ? s.at(pos + 2) : -1;
+      if (stages == 2 && pos + 1 < end) load_kv(j_next, buf ^ 1);
       copy_commit();
+
+      typename M::score_tile st;
+#if VSA_WGMMA
+      if (tma) kc.wait();
+      M::nt_into(st, sq, sk(buf));
+      M::template wait_groups<0>(st.x);
+      if (tma) {
+        __syncthreads(); // every warp's Q·Kᵀ has read K
+        if (tid == 0 && pos + 1 < end) fetch(sk(0), &p.k_map, &ready[0], j_next);
+      }
+#else
+#pragma unroll
+      for (int e = 0; e < M::score_elems; ++e) st.x[e] = 0.f;
+      if constexpr (M::rows_in_registers) {
+        M::nt(st, qf, sk(buf));
+      } else {
+        M::nt(st, sq, row0, sk(buf));
+      }
+#endif
+      if constexpr (Sched::few_blocks) { // only the coarse pass writes scores
+        if (p.scores != nullptr) {
+          // Elements e and e + 1 (e even) are neighbours in one row in every accumulator layout, so they go out
+          // as one 8-byte store where the row length keeps it aligned. Offsets inside the block fit 32 bits.
+          const int len = static_cast<int>(s.rows_total());
+          float* out = p.scores + (bh * len + i * 64) * len + j * 64;
+          const bool pairs = len % 2 == 0 && reinterpret_cast<uintptr_t>(p.scores) % 8 == 0;
+          if (pairs && q_valid == tile_rows && kv == tile_rows) {
+            // A whole block (every one but the last row and column of blocks): no test per pair.
+#pragma unroll
+            for (int e = 0; e < M::score_elems; e += 2) {
+              const int r = row0 + M::elem_row(e), c = M::elem_col(e);
+              *reinterpret_cast<float2*>(out + r * len + c) = make_float2(st.x[e] * p.scale, st.x[e + 1] * p.scale);
+            }
+          } else {
+#pragma unroll
+            for (int e = 0; e < M::score_elems; e += 2) {
+              const int r = row0 + M::elem_row(e), c = M::elem_col(e);
+              if (r >= q_valid) continue;
+              const float x0 = st.x[e] * p.scale, x1 = st.x[e + 1] * p.scale;
+              if (pairs && c + 1 < kv) {
+                *reinterpret_cast<float2*>(out + r * len + c) = make_float2(x0, x1);
+              } else {
+                if (c < kv) out[r * len + c] = x0;
+                if (c + 1 < kv) out[r * len + c + 1] = x1;
+              }
+            }
+          }
+        }
+      }
+
+      float alpha[R];
+      softmax(st, kv, alpha);
+      rescale(alpha);
+
+#if VSA_WGMMA
+      // V's padding rows are zeroed: a zero probability times a NaN there would still be NaN.
+      if (tma) vc.wait<D>(sv(0), kv, tid, nthreads);
+#endif
+      M::nn(o, st, sv(buf));
+      j = j_next;
+      j_next = j2;
+      kv = count.valid(j);
+
+      if (tma) {
+#if VSA_WGMMA
+        __syncthreads(); // every warp's P·V has read V
+        if (tid == 0 && pos + 1 < end) fetch(sv(0), &p.v_map, &ready[1], j);
+#endif
+        continue;
+      }
+      if (stages == 1) {
+        __syncthreads(); // every warp is done with the only stage before it is refilled
+        if (pos + 1 < end) load_kv(j, 0);
+        copy_commit();
+      }
+      copy_wait<0>();
+      __syncthreads();
     }
-    copy_wait<0>();
-    __syncthreads();
   }
 
   float inv[R];
