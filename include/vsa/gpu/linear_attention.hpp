@@ -255,6 +255,14 @@ inline status linear_attention_forward(const problem& p, feature_map phi, float 
     ap.kvn = w.at<uint16_t>(workspace, w.state_kvn);
     ap.vec = w.at<float>(workspace, w.state_vec);
     ap.eps = eps;
+    // On Hopper Q and O go through the copy engine where both maps encode (hopper_tma.hpp).
+    ap.tma = 0;
+    if (w.hopper &&
+        gpu::encode_tile_map(ap.q_map, q.data, p.batch, tokens, p.q_heads, D, q.batch_stride, q.token_stride,
+                             q.head_stride) &&
+        gpu::encode_tile_map(ap.o_map, o_l.data, p.batch, tokens, p.q_heads, D, o_l.batch_stride, o_l.token_stride,
+                             o_l.head_stride))
+      ap.tma = 1;
     gl::apply_kernel<E, D, F><<<static_cast<unsigned>(w.heads_q * w.slices_apply), gl::apply_shape<E, D>::threads,
                                 gl::apply_shape<E, D>::smem(w.hopper), stream>>>(ap);
     return gpu::launch_status("linear attention (apply)");

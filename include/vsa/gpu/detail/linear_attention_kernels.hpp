@@ -696,18 +696,41 @@ struct apply_params {
   const uint16_t* kvn; // state_view::kvn
   const float* vec;    // state_view::vec
   float eps;
+  // Hopper: Q in and O out through the copy engine where the host could encode both maps (tma = 1,
+  // hopper_tma.hpp); otherwise, and everywhere else, copy_tile and store_tile.
+  int tma;
+  tma_map q_map, o_map;
 };
 
-// Shared memory: D / 64 tiles of KVn, the Q stages, then the per-column factors of the state, by pairs of
-// columns (the pair a lane's elements e, e + 1 form): {z, z, σ, σ} as one float4 and {m, m} as one float2.
+// Shared memory: D / 64 tiles of KVn, the Q stages, on Hopper two tiles in which O waits for the copy
+// engine's stores, then the per-column factors of the state, by pairs of columns (the pair a lane's elements
+// e, e + 1 form): {z, z, σ, σ} as one float4 and {m, m} as one float2. With two O tiles a tile's store may
+// still be reading one while the next tile's O is written into the other (98.5 KiB at D = 128 on Hopper,
+// still two blocks an SM, which the registers allow anyway).
 template <class E, int D> struct apply_shape {
   static constexpr int threads = 4 * warp_mma<E, D>::threads;
-  static constexpr int tiles = (D / 64 + copy_stages) * smem_tile<D>::bytes;
   static constexpr int factors = (D / 2) * (16 + 8);
-  static constexpr int smem(bool hopper) { return tiles + factors + tile_slack(hopper); }
+  static constexpr int out_stages(bool hopper) {
+    return hopper && (D / 64 + copy_stages + 2) * smem_tile<D>::bytes + factors + smem_slack <= max_block_smem ? 2 : 0;
+  }
+  static constexpr int tiles(bool hopper) { return (D / 64 + copy_stages + out_stages(hopper)) * smem_tile<D>::bytes; }
+  static constexpr int smem(bool hopper) { return tiles(hopper) + factors + tile_slack(hopper); }
   static_assert(smem(true) <= max_block_smem, "apply tiles do not fit");
   static_assert(threads >= D / 2, "one thread per column pair fills the factors");
 };
+
+// store_band for the copy engine's store of a whole tile: rows at and past `valid` are written 0 (padding
+// slots of a tiled tensor are written 0; in raster order those rows lie past the sequence, where the store
+// does not write).
+template <class E, int D> __device__ __forceinline__ void store_band_rows(const typename warp_mma<E, D>::out_tile& o,
+                                                                          smem_tile<D> t, int row0, int valid) {
+  using M = warp_mma<E, D>;
+#pragma unroll
+  for (int e = 0; e < M::out_elems; e += 2) {
+    const int row = row0 + M::elem_row(e);
+    *reinterpret_cast<uint32_t*>(t.at(row, M::elem_col(e))) = row < valid ? E::pack(o.x[e], o.x[e + 1]) : 0u;
+  }
+}
 
 // Per row of the band (slot) of features a = φ(q): a·z and 1 / (a·z + eps).
 template <class E, int D>
@@ -739,11 +762,13 @@ __device__ __forceinline__ void query_weights(typename warp_mma<E, D>::score_til
 // which is the module comment's P / β with den (and softmax's normalization) cancelled out of P̂.
 // The per-column factors are read from shared memory, a pair of columns a load.
 template <class E, int D, feature_map F>
-__global__ void VSA_LINEAR_BOUNDS((apply_shape<E, D>::threads), (D == 128 ? 2 : 4)) apply_kernel(apply_params p) {
+__global__ void VSA_LINEAR_BOUNDS((apply_shape<E, D>::threads), (D == 128 ? 2 : 4))
+    apply_kernel(const VSA_GRID_CONSTANT apply_params p) {
   using M = attention_mma<E, D>;
   constexpr int nthreads = apply_shape<E, D>::threads;
   constexpr int R = M::rows_per_lane, T = D / 64;
   constexpr int stages = copy_stages;
+  constexpr int out_stages = apply_shape<E, D>::out_stages(layer_tn);
 
   // KVn (D/64 tiles of 64 rows d1, the k axis of nn) is copied once with cp.async in the tile layout and
   // fenced by copy_wait, so wgmma reads it as nn's B as it stands.
@@ -751,7 +776,7 @@ __global__ void VSA_LINEAR_BOUNDS((apply_shape<E, D>::threads), (D == 128 ? 2 : 
   uint16_t* sm = VSA_LINEAR_TILES(smem_raw);
   const auto skv = [&](int c) { return smem_tile<D>{sm + c * 64 * D}; };
   const auto sq = [&](int buf) { return smem_tile<D>{sm + (T + buf) * 64 * D}; };
-  float4* zsigma = reinterpret_cast<float4*>(sm + (T + stages) * 64 * D);
+  float4* zsigma = reinterpret_cast<float4*>(sm + (T + stages + out_stages) * 64 * D);
   float2* mean = reinterpret_cast<float2*>(zsigma + D / 2);
 
   const int64_t slice = blockIdx.x % p.slices, bh = blockIdx.x / p.slices;
@@ -762,9 +787,31 @@ __global__ void VSA_LINEAR_BOUNDS((apply_shape<E, D>::threads), (D == 128 ? 2 : 
   slice_range(slice, p.slices, p.seq.chunks, begin, end);
   if (begin >= end) return;
 
+#if VSA_WGMMA
+  // The copy engine (hopper_tma.hpp): thread 0 asks for each Q tile (one barrier a stage) and stores each O
+  // tile from one of the two O stages; the block's copy work is then one wait a tile, and O leaves without a
+  // pass of 16-byte loads and stores through every thread.
+  static_assert(stages == 2 && out_stages == 2, "two Q stages and two O stages");
+  __shared__ __align__(8) uint64_t ready[stages];
+  const bool tma = p.tma != 0;
+  tma::init_barriers(ready, stages, tma, tid);
+  const auto so = [&](int buf) { return smem_tile<D>{sm + (T + stages + buf) * 64 * D}; };
+#endif
+  const auto load_q = [&](int64_t c, int buf) {
+#if VSA_WGMMA
+    if (tma) {
+      // Padding rows come as they are in memory: each output row depends on its own query row alone (φ, the
+      // row factors and the product are row by row), and rows at and past `valid` are written 0.
+      if (tid == 0) tma::tile_one{&ready[buf], 0u}.load<D>(sq(buf), &p.q_map, c * 64, h, b);
+      return;
+    }
+#endif
+    copy_tile(sq(buf), p.q.tile(b, h, c), p.q.token, p.seq.valid(c), tid, nthreads);
+  };
+
 #pragma unroll
   for (int c = 0; c < T; ++c) copy_tile(skv(c), p.kvn + (bhk * D + c * 64) * D, D, 64, tid, nthreads);
-  if (begin < end) copy_tile(sq(0), p.q.tile(b, h, begin), p.q.token, p.seq.valid(begin), tid, nthreads);
+  if (begin < end) load_q(begin, 0);
   copy_commit();
   if (tid < D / 2) { // ordered before the first use by the loop's first barrier
     const float* vec = p.vec + bhk * 3 * D + 2 * tid;
@@ -776,10 +823,17 @@ __global__ void VSA_LINEAR_BOUNDS((apply_shape<E, D>::threads), (D == 128 ? 2 : 
 
   for (int64_t c = begin; c < end; ++c) {
     const int buf = stages == 2 ? static_cast<int>((c - begin) & 1) : 0;
-    copy_wait<0>();
+    copy_wait<0>(); // KVn, and Q without the copy engine
+#if VSA_WGMMA
+    if (tma) {
+      // Q(c) on the barrier of its stage, in that barrier's phase (c − begin) / 2. The store that last read
+      // O stage `buf` (tile c − 2) must be done reading before the barrier below lets any warp write it.
+      tma::wait(&ready[buf], static_cast<uint32_t>((c - begin) >> 1) & 1u);
+      if (tid == 0) tma::store_wait_read<1>();
+    }
+#endif
     __syncthreads();
-    if (stages == 2 && c + 1 < end)
-      copy_tile(sq(buf ^ 1), p.q.tile(b, h, c + 1), p.q.token, p.seq.valid(c + 1), tid, nthreads);
+    if (stages == 2 && c + 1 < end) load_q(c + 1, buf ^ 1);
     copy_commit();
     const int valid = p.seq.valid(c);
 
@@ -827,6 +881,20 @@ __global__ void VSA_LINEAR_BOUNDS((apply_shape<E, D>::threads), (D == 128 ? 2 : 
       o.x[e + 1] = fmaf(beta[s], o.x[e + 1], m.y * mix[s]);
     }
 
+#if VSA_WGMMA
+    if (tma) {
+      // O into its own stage (free: see the wait above), fenced for the copy engine's reads, then one store.
+      // The fence also orders this thread's reads of Q stage `buf` before the copy engine refills it.
+      if (valid < tile_rows)
+        store_band_rows<E, D>(o, so(buf), row0, valid);
+      else
+        store_band<E, D>(o, so(buf), row0);
+      stores_to_matrix_fence();
+      __syncthreads();
+      if (tid == 0) tma::store_tile<D>(&p.o_map, so(buf), c * 64, h, b);
+      continue;
+    }
+#endif
     __syncthreads(); // the band's rows of Q are read; the stage now receives O
     store_band<E, D>(o, sq(buf), row0);
     __syncthreads();
@@ -837,6 +905,9 @@ __global__ void VSA_LINEAR_BOUNDS((apply_shape<E, D>::threads), (D == 128 ? 2 : 
       copy_commit();
     }
   }
+#if VSA_WGMMA
+  if (tma && tid == 0) tma::store_wait<0>(); // the block's shared memory must outlast the last stores
+#endif
 }
 
 // ---- backward: query side --------------------------------------------------------------------------------
