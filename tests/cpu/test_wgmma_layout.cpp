@@ -4,7 +4,8 @@
 // shared memory with the chunk placement copy_tile uses, every descriptor the kernels build is built with
 // the same functions, and the operand the model reads through each descriptor must be the logical tile, so
 // that S = A·Bᵀ (nt), O = P·V (nn) and KV = φ(K)ᵀ·V (tn, A read transposed out of a tile's panel)
-// computed from those reads are the plain products. The register side
+// computed from those reads are the plain products (and the block of ones through which tn_sums takes column
+// sums is read inside its one swizzle atom). The register side
 // of wgmma (A from registers, the accumulator) is the mma.sync lane layout, checked in test_lane_layout.cpp.
 #include "support/catch.hpp"
 
@@ -62,7 +63,7 @@ uint32_t swizzled(uint32_t addr, uint32_t span) { return addr ^ (((addr >> 7) & 
 //     contiguous bytes, groups of 8 along M/N the stride byte offset apart, along K the leading.
 // The swizzle acts on the address itself (base offset 0), so a start inside an atom shifts the pattern.
 uint32_t element_address(uint64_t desc, major mj, int extent, int mn, int k) {
-  REQUIRE((extent == 64 || extent == 128));
+  REQUIRE((extent == 8 || extent == 64 || extent == 128));
   REQUIRE(mn >= 0);
   REQUIRE(mn < extent);
   REQUIRE(k >= 0);
@@ -326,6 +327,25 @@ TEST_CASE("wgmma reads a tile's panel transposed as the A operand of tn", "[cpu]
   std::mt19937 rng(31);
   tn_product<64>(rng);
   tn_product<128>(rng);
+}
+
+TEST_CASE("wgmma reads the block of ones of tn_sums as an 8-column B inside its one swizzle atom", "[cpu][wgmma]") {
+  // The column sums of the state kernel read a 64 (k) × 8 B, K-major, through k_major(kk) for the four k
+  // steps, from a 1024-byte-aligned block of 1024 bytes of ones (warpgroup_mma::ones_bytes). Every read must
+  // stay inside the block; the four steps together read each of its 16-bit words once.
+  const uint32_t base = first_tile, bytes = 1024;
+  std::vector<int> reads(bytes / 2, 0);
+  for (int kk = 0; kk < 4; ++kk) {
+    const uint64_t desc = descriptor(base, wl::k_major(kk));
+    for (int n = 0; n < 8; ++n)
+      for (int k = 0; k < 16; ++k) {
+        const uint32_t a = element_address(desc, major::k, 8, n, k);
+        REQUIRE(a >= base);
+        REQUIRE(a + 2 <= base + bytes);
+        ++reads[(a - base) / 2];
+      }
+  }
+  CHECK(std::all_of(reads.begin(), reads.end(), [](int n) { return n == 1; }));
 }
 
 TEST_CASE("wgmma operand model: a wrong offset of tn's transposed A reads a different operand", "[cpu][wgmma]") {

@@ -147,7 +147,7 @@ template <class E, int D, feature_map F> status make_plan(const problem& p, toke
     w.slices_key = choose_slices(w.heads_kv, seq.chunks, slots, 1);
   }
   const int64_t blocks = std::max({w.heads_kv * w.slices_state, w.heads_q * std::max(w.slices_apply, w.slices_query),
-                                   w.heads_kv * w.slices_key, w.heads_kv * (D / reduce_rows)});
+                                   w.heads_kv * w.slices_key, w.heads_kv * D});
   if (blocks > INT_MAX)
     return status::error(errc::bad_grid, "batch x heads: %lld blocks are more than one launch takes",
                          (long long)blocks);
@@ -186,6 +186,15 @@ template <class E, int D, feature_map F> status run_state(const problem& p, cons
   sp.slices = w.slices_state;
   sp.heads_total = w.heads_kv;
   sp.partial = w.at<float>(workspace, w.partial);
+  // On Hopper K and V go through the copy engine where both maps encode (hopper_tma.hpp); the maps end at the
+  // sequence's last token, so the copy engine fills a short last raster chunk with zeros.
+  sp.tma = 0;
+  if (w.hopper &&
+      encode_tile_map(sp.k_map, k.data, p.batch, seq.tokens, p.kv_heads, D, k.batch_stride, k.token_stride,
+                      k.head_stride) &&
+      encode_tile_map(sp.v_map, v.data, p.batch, seq.tokens, p.kv_heads, D, v.batch_stride, v.token_stride,
+                      v.head_stride))
+    sp.tma = 1;
   state_kernel<E, D, F><<<static_cast<unsigned>(w.heads_kv * w.slices_state), state_shape<E, D>::threads,
                           state_shape<E, D>::smem(w.hopper), stream>>>(sp);
   status s = launch_status("linear attention (state)");
@@ -197,7 +206,7 @@ template <class E, int D, feature_map F> status run_state(const problem& p, cons
   rp.heads_total = w.heads_kv;
   rp.inv_count = static_cast<float>(1.0 / static_cast<double>(tile_geometry(p.grid).raster_tokens()));
   rp.state = {w.at<uint16_t>(workspace, w.state_kvn), w.at<float>(workspace, w.state_vec)};
-  state_reduce_kernel<E, D><<<static_cast<unsigned>(w.heads_kv * (D / reduce_rows)), D, 0, stream>>>(rp);
+  state_reduce_kernel<E, D><<<static_cast<unsigned>(w.heads_kv * D), D, 0, stream>>>(rp);
   return launch_status("linear attention (state reduction)");
 }
 
@@ -246,6 +255,14 @@ inline status linear_attention_forward(const problem& p, feature_map phi, float 
     ap.kvn = w.at<uint16_t>(workspace, w.state_kvn);
     ap.vec = w.at<float>(workspace, w.state_vec);
     ap.eps = eps;
+    // On Hopper Q and O go through the copy engine where both maps encode (hopper_tma.hpp).
+    ap.tma = 0;
+    if (w.hopper &&
+        gpu::encode_tile_map(ap.q_map, q.data, p.batch, tokens, p.q_heads, D, q.batch_stride, q.token_stride,
+                             q.head_stride) &&
+        gpu::encode_tile_map(ap.o_map, o_l.data, p.batch, tokens, p.q_heads, D, o_l.batch_stride, o_l.token_stride,
+                             o_l.head_stride))
+      ap.tma = 1;
     gl::apply_kernel<E, D, F><<<static_cast<unsigned>(w.heads_q * w.slices_apply), gl::apply_shape<E, D>::threads,
                                 gl::apply_shape<E, D>::smem(w.hopper), stream>>>(ap);
     return gpu::launch_status("linear attention (apply)");

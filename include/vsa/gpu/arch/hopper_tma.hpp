@@ -122,6 +122,38 @@ __device__ __forceinline__ void load_box(uint16_t* dst, const tma_map* map, uint
                : "memory");
 }
 
+// The box at (column, token, head, batch) of the tensor `map` describes, from the 1024-byte-aligned panel at
+// src (the layout load_box writes), as one bulk store of this thread's current bulk group. Rows of the box
+// past the tensor's end are not written.
+__device__ __forceinline__ void store_box(const tma_map* map, const uint16_t* src, int column, int token, int head,
+                                          int batch) {
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(smem_address(src)), "r"(column), "r"(token), "r"(head), "r"(batch)
+               : "memory");
+}
+// Closes this thread's current bulk group of stores.
+__device__ __forceinline__ void store_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// Waits until at most N of this thread's bulk groups still read their shared memory (which may then be
+// written again), or, for store_wait, are still incomplete at all.
+template <int N> __device__ __forceinline__ void store_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+}
+template <int N> __device__ __forceinline__ void store_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
+}
+// Thread 0 of the block: the D/64 panels of shared tile t to token `token` of head `head`, batch `batch`, as
+// one bulk group. The tile's rows were written with ordinary stores: every writing thread fences them
+// (fence.proxy.async) before the block barrier that precedes this call.
+template <int D> __device__ __forceinline__ void store_tile(const tma_map* map, smem_tile<D> t, int64_t token,
+                                                            int64_t head, int64_t batch) {
+#pragma unroll
+  for (int c = 0; c < D / smem_layout::panel_cols; ++c)
+    store_box(map, t.base + c * smem_layout::panel, c * smem_layout::panel_cols, static_cast<int>(token),
+              static_cast<int>(head), static_cast<int>(batch));
+  store_commit();
+}
+
 // Initialises `count` barriers of one arrival each when `on` (thread 0), then the block meets once, so that
 // no thread waits on a barrier before it exists. Every thread of the block calls it.
 __device__ __forceinline__ void init_barriers(uint64_t* bars, int count, bool on, int tid) {

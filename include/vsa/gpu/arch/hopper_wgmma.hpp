@@ -100,14 +100,21 @@ __device__ __forceinline__ void mma_rs(float* d, const uint32_t (&a)[4], uint64_
                "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " DLIST ", " TAIL ";\n}"              \
                : __VA_ARGS__                                                                                           \
                : "l"(a), "l"(b), "r"(acc), "n"(TransA), "n"(TransB))
+#define VSA_WG_SS8(TYPE)                                                                                               \
+  VSA_WG_SS(8, TYPE, "{%0, %1, %2, %3}", "%6", "%4, %5, p, 1, 1, %7, %8", "+f"(d[0]), "+f"(d[1]), "+f"(d[2]),          \
+            "+f"(d[3]))
 #define VSA_WG_SS64(TYPE) VSA_WG_SS(64, TYPE, VSA_WG_D32, "%34", "%32, %33, p, 1, 1, %35, %36", VSA_WG_ACC32(d, 0))
 #define VSA_WG_SS128(TYPE)                                                                                             \
   VSA_WG_SS(128, TYPE, VSA_WG_D64, "%66", "%64, %65, p, 1, 1, %67, %68", VSA_WG_ACC32(d, 0), VSA_WG_ACC32(d, 32))
 
 template <bool BF16, int N, int TransA, int TransB>
 __device__ __forceinline__ void mma_ss(float* d, uint64_t a, uint64_t b, int acc = 1) {
-  static_assert(N == 64 || N == 128, "wgmma shapes used: n64, n128");
-  if constexpr (N == 64 && BF16) {
+  static_assert(N == 8 || N == 64 || N == 128, "wgmma shapes used: n8 (sums against ones), n64, n128");
+  if constexpr (N == 8 && BF16) {
+    VSA_WG_SS8("bf16");
+  } else if constexpr (N == 8) {
+    VSA_WG_SS8("f16");
+  } else if constexpr (N == 64 && BF16) {
     VSA_WG_SS64("bf16");
   } else if constexpr (N == 64) {
     VSA_WG_SS64("f16");
@@ -120,6 +127,7 @@ __device__ __forceinline__ void mma_ss(float* d, uint64_t a, uint64_t b, int acc
 
 #undef VSA_WG_SS128
 #undef VSA_WG_SS64
+#undef VSA_WG_SS8
 #undef VSA_WG_SS
 #undef VSA_WG_RS128
 #undef VSA_WG_RS64
@@ -254,6 +262,47 @@ template <class E, int D> struct warpgroup_mma : warp_mma<E, D> {
     wgmma::commit();
     wgmma::wait<0>();
     wgmma::pin(o.x);
+  }
+
+  // A 64 × 8 accumulator (m64n8) of column sums: warp w holds rows 16w + lane/4 (x[0], x[1]) and
+  // 16w + lane/4 + 8 (x[2], x[3]) at columns 2·(lane mod 4) and the next, the lane layout of out_tile's first
+  // eight columns. Multiplied by a block of ones every column is the same sum.
+  struct sum_tile {
+    float x[4];
+  };
+  // Bytes of the block of ones that sums read as their B operand (K-major, 64 rows of k by 8 columns): one
+  // 1024-byte swizzle atom, 1024-byte aligned. The four k steps start 32 bytes apart in it and each reads
+  // 8 rows of 32 bytes, all inside the atom, so with every element 1 the swizzle does not matter.
+  static constexpr int ones_bytes = 1024;
+
+  // tn (o += aᵀ·b, A = panel `panel` of a read transposed) and, in the same chain of one commit group, the
+  // sums over the 64 rows of that panel of a (sa) and of panel `panel` of b (sb): each is that panel read
+  // transposed, times the 64 × 8 block of `ones` (ones_bytes of 16-bit ones). This is what the linear
+  // state kernel needs per tile: KV, z = Σ φ(k) and Σ v, all three from the matrix cores, so that the
+  // column sums cost the warps no loads and adds; the products see the same rounded operands as KV does.
+  __device__ __forceinline__ static void tn_sums(out_tile& o, sum_tile& sa, sum_tile& sb, smem_tile<D> a, int panel,
+                                                 smem_tile<D> b, const uint16_t* ones) {
+    wgmma::pin(o.x);
+    wgmma::pin(sa.x);
+    wgmma::pin(sb.x);
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+      wgmma::mma_ss<E::is_bf16, D, 1, 1>(o.x, wgmma::descriptor(a.base, wgmma_layout::mn_major_panel(panel, kk)),
+                                         mn_major(b, kk));
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+      wgmma::mma_ss<E::is_bf16, 8, 1, 0>(sa.x, wgmma::descriptor(a.base, wgmma_layout::mn_major_panel(panel, kk)),
+                                         wgmma::descriptor(ones, wgmma_layout::k_major(kk)));
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+      wgmma::mma_ss<E::is_bf16, 8, 1, 0>(sb.x, wgmma::descriptor(b.base, wgmma_layout::mn_major_panel(panel, kk)),
+                                         wgmma::descriptor(ones, wgmma_layout::k_major(kk)));
+    wgmma::commit();
+    wgmma::wait<0>();
+    wgmma::pin(o.x);
+    wgmma::pin(sa.x);
+    wgmma::pin(sb.x);
   }
 };
 

@@ -11,6 +11,10 @@
 //   nn(o, p, b)                        o += p · b   (p: a score tile, b: a 64-row shared tile)
 //   tn(o, a, panel, b)                 wgmma backend only: o += aᵀ · b over the 64 rows of two shared tiles,
 //                                      aᵀ the 64 columns of one panel of a, read transposed
+//   tn_sums(o, sa, sb, a, panel, b, ones)
+//                                      wgmma backend only: tn plus, in the same chain, the sums over the 64
+//                                      rows of that panel of a and of b (each read transposed times a block
+//                                      of ones)
 //
 // plus the global-to-shared tile copy. The algorithm never sees a lane layout. The attention kernels take
 // attention_mma<E, D>: on Hopper (device code compiled for sm_90a) that is the warpgroup backend of

@@ -83,7 +83,7 @@ template <int D> struct record {
   static constexpr int64_t floats = int64_t(D) * D + 2 * D;
 };
 
-// Rows of the state matrix each reduce block owns.
+// Rows of the state-gradient matrix each grad_reduce block owns (state_reduce takes one row a block).
 constexpr int reduce_rows = 4;
 
 // Warps of the blocks whose warps own rows of a D × D accumulator: enough bands per warp that the
@@ -336,8 +336,10 @@ template <feature_map F, class E> __device__ __forceinline__ uint32_t feature_pa
 // (a padding slot, zero-filled by the copy) becomes 0, so that it adds nothing to z. The `tpr` threads that
 // share the row are a butterfly group of a warp; softmax merges their partial maxima and sums of
 // exponentials, so it runs on every row (the shuffles need the whole warp) and zeroes a padding row through
-// its scale; relu keeps the zeros as they are.
-template <feature_map F, class E, int tpr, int cpt>
+// its scale; relu keeps the zeros as they are. With `clear`, a padding row may hold anything (the copy
+// engine copies whole tiles, padding slots included, and a NaN there would survive a zero scale or relu):
+// it is overwritten with zeros for every map.
+template <feature_map F, class E, int tpr, int cpt, bool clear = false>
 __device__ __forceinline__ void feature_row_chunks(uint4* const (&chunk)[cpt], bool valid) {
   if constexpr (F == feature_map::softmax) {
     // First pass: the row's running maximum · log2(e) and Σ 2^(x·log2(e) − max), chunk by chunk.
@@ -366,6 +368,11 @@ __device__ __forceinline__ void feature_row_chunks(uint4* const (&chunk)[cpt], b
       mx = mn;
     }
     sum = valid ? 1.f / sum : 0.f;
+    if (clear && !valid) {
+#pragma unroll
+      for (int j = 0; j < cpt; ++j) *chunk[j] = make_uint4(0u, 0u, 0u, 0u);
+      return;
+    }
 #pragma unroll
     for (int j = 0; j < cpt; ++j) {
       float x[8];
@@ -374,7 +381,7 @@ __device__ __forceinline__ void feature_row_chunks(uint4* const (&chunk)[cpt], b
       for (int i = 0; i < 8; ++i) x[i] = fast_exp2(fmaf(x[i], log2e, -mx)) * sum;
       *chunk[j] = pack<E>(x);
     }
-  } else if (F == feature_map::relu || valid) {
+  } else if ((F == feature_map::relu && !clear) || valid) {
 #pragma unroll
     for (int j = 0; j < cpt; ++j) {
       const uint4 w = *chunk[j];
@@ -395,28 +402,43 @@ struct state_params {
   int64_t kv_heads, slices;
   int64_t heads_total; // batch · kv_heads
   float* partial;      // [slices, heads_total] records: KV (d1 rows), z, Σ v
+  // Hopper: K and V through the copy engine where the host could encode their maps (tma = 1,
+  // hopper_tma.hpp); otherwise, and everywhere else, copy_tile.
+  int tma;
+  tma_map k_map, v_map;
 };
 
+// Shared memory: the (K, V) stages, then on Hopper a block of ones, the B operand through which the matrix
+// cores take z and Σ v (warpgroup_mma::tn_sums). Hopper keeps three stages (96 KiB of tiles at D = 128,
+// still two blocks an SM): the next two tiles stream in while one is used, which the copy engine's latency
+// needs at two blocks an SM; elsewhere the stages the platform's copy allows.
 template <class E, int D> struct state_shape {
   using L = band_layout<E, D>;
   static constexpr int threads = L::threads;
-  static constexpr int tiles = 2 * copy_stages * smem_tile<D>::bytes;
-  static constexpr int smem(bool hopper) { return tiles + tile_slack(hopper); }
+  static constexpr int ones_bytes = 1024; // warpgroup_mma::ones_bytes, which host code cannot name
+  static constexpr int stages(bool hopper) {
+    return hopper && 3 * 2 * smem_tile<D>::bytes + ones_bytes + smem_slack <= max_block_smem ? 3 : copy_stages;
+  }
+  static constexpr int tiles(bool hopper) { return 2 * stages(hopper) * smem_tile<D>::bytes; }
+  static constexpr int smem(bool hopper) { return tiles(hopper) + (hopper ? ones_bytes : 0) + tile_slack(hopper); }
   static_assert(smem(true) <= max_block_smem, "state tiles do not fit");
-  static_assert(2 * (threads / (D / 8)) * D * 4 <= tiles, "Σ v and z scratch does not fit");
+  static_assert((threads / (D / 8)) * D * 4 <= tiles(false), "Σ v scratch does not fit");
 };
 
 template <class E, int D, feature_map F>
-__global__ void VSA_LINEAR_BOUNDS((band_layout<E, D>::threads), (D == 128 ? 2 : 3)) state_kernel(state_params p) {
+__global__ void VSA_LINEAR_BOUNDS((band_layout<E, D>::threads), (D == 128 ? 2 : 3))
+    state_kernel(const VSA_GRID_CONSTANT state_params p) {
   using M = attention_mma<E, D>;
   using L = band_layout<E, D>;
   constexpr int nthreads = L::threads;
   constexpr int R = M::rows_per_lane;
   constexpr int bands = L::bands;
-  constexpr int stages = copy_stages;
+  constexpr int stages = state_shape<E, D>::stages(layer_tn);
+  // Tiles asked for before the loop: all stages but the one the loop refills first (one stage: the first tile).
+  constexpr int ahead = stages > 1 ? stages - 1 : 1;
   // φ pass: `tpr` consecutive threads share a row, each converting `cpt` 16-byte chunks of it.
   constexpr int tpr = nthreads / 64, cpt = D / 8 / tpr;
-  // Σ v: thread = (row group, 16-byte column chunk).
+  // Σ v (other backends): thread = (row group, 16-byte column chunk).
   constexpr int vecs = D / 8, groups = nthreads / vecs, rows_per_group = 64 / groups;
   static_assert(tpr >= 1 && cpt >= 1 && nthreads % 64 == 0 && 64 % groups == 0, "thread layout");
   static_assert(wave_reduce::group_fits(tpr, warp_size), "the threads of a row must be a butterfly group of a warp");
@@ -432,7 +454,33 @@ __global__ void VSA_LINEAR_BOUNDS((band_layout<E, D>::threads), (D == 128 ? 2 : 
   int64_t begin, end;
   slice_range(slice, p.slices, p.seq.chunks, begin, end);
 
+#if VSA_WGMMA
+  // The copy engine (hopper_tma.hpp): thread 0 asks for both tiles of a stage, counted on that stage's
+  // barrier, so a thread's whole copy work is one wait a tile.
+  static_assert(stages == 3, "the barriers' phases follow the ring of three stages");
+  __shared__ __align__(8) uint64_t ready[stages];
+  const bool tma = p.tma != 0;
+  tma::init_barriers(ready, stages, tma, tid);
+  // The ones of the column sums, after the tiles (whole KiB from a 1024-byte boundary, so the block is one
+  // swizzle atom). Written once; the fence and the loop's first barrier order them before the first product.
+  static_assert(M::ones_bytes == state_shape<E, D>::ones_bytes && M::ones_bytes / 16 <= nthreads, "block of ones");
+  uint16_t* ones = sm + 2 * stages * 64 * D;
+  if (tid < M::ones_bytes / 16) {
+    const uint32_t one = E::pack(1.f, 1.f);
+    reinterpret_cast<uint4*>(ones)[tid] = make_uint4(one, one, one, one);
+  }
+  stores_to_matrix_fence();
+#else
+  constexpr bool tma = false;
+#endif
+
   const auto load = [&](int64_t c, int buf) {
+#if VSA_WGMMA
+    if (tma) {
+      if (tid == 0) tma::tile_pair{&ready[buf], 0u}.load<D>(sk(buf), &p.k_map, sv(buf), &p.v_map, c * 64, hk, b);
+      return;
+    }
+#endif
     const int valid = p.seq.valid(c);
     copy_tile(sk(buf), p.k.tile(b, hk, c), p.k.token, valid, tid, nthreads);
     copy_tile(sv(buf), p.v.tile(b, hk, c), p.v.token, valid, tid, nthreads);
@@ -448,55 +496,81 @@ __global__ void VSA_LINEAR_BOUNDS((band_layout<E, D>::threads), (D == 128 ? 2 : 
     for (int r = 0; r < R; ++r) zs[k][r] = 0.f;
   }
   float vs[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  float zk[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}; // z by columns of φ(K) (tn), as Σ v
+#if VSA_WGMMA
+  typename M::sum_tile zsum{}, vsum{}; // z and Σ v of this warp's 16 rows (tn_sums)
+#endif
   const int vrow = tid / vecs, vcol = tid % vecs;
   const int frow = wave_reduce::group_item(tid, tpr), fpart = wave_reduce::group_part(tid, tpr);
 
-  if (begin < end) load(begin, 0);
-  copy_commit();
+  // One copy group per tile (possibly empty), so that with `stages` stages waiting for all groups but the
+  // last stages − 2 means waiting for the current tile.
+#pragma unroll
+  for (int s = 0; s < ahead; ++s) {
+    if (begin + s < end) load(begin + s, s);
+    if (!tma) copy_commit();
+  }
+  // Three stages go round a counter (no division by 3), with the parity of the phase in which the barrier of
+  // the stage counts tile c (tma); two alternate as in the other kernels.
+  int ring = 0;
+  uint32_t phase = 0;
   for (int64_t c = begin; c < end; ++c) {
-    const int buf = stages == 2 ? static_cast<int>((c - begin) & 1) : 0;
-    copy_wait<0>();
-    __syncthreads();
-    if (stages == 2 && c + 1 < end) load(c + 1, buf ^ 1);
-    copy_commit();
+    const int buf = stages == 3 ? ring : stages == 2 ? static_cast<int>((c - begin) & 1) : 0;
+    if (tma) {
+#if VSA_WGMMA
+      tma::wait(&ready[buf], phase);
+#endif
+    } else {
+      copy_wait<(stages > 1 ? stages - 2 : 0)>();
+    }
+    __syncthreads(); // tile c is complete for every thread; every warp is done with the stage refilled next
+    if (stages > 1) {
+      const int next = stages == 3 ? (buf == 0 ? 2 : buf - 1) : buf ^ 1;
+      if (c + stages - 1 < end) load(c + stages - 1, next);
+      if (!tma) copy_commit();
+    }
     const int valid = p.seq.valid(c);
     const smem_tile<D> kt = sk(buf), vt = sv(buf);
 
     // φ(k) of every row, in place, rounded to E, padding rows 0. One 16-byte chunk at a time, to keep
     // registers for the accumulators. Rows alternate which half of the chunks they start with, so that the
-    // two rows a quarter-warp touches fall on different banks.
+    // two rows a quarter-warp touches fall on different banks. On Hopper padding rows are cleared whatever
+    // they hold (the copy engine does not zero-fill them).
     {
       uint4* chunk[cpt];
 #pragma unroll
       for (int j = 0; j < cpt; ++j)
         chunk[j] = reinterpret_cast<uint4*>(kt.chunk(frow, fpart + tpr * ((j + frow) % cpt)));
-      feature_row_chunks<F, E, tpr, cpt>(chunk, frow < valid);
+      feature_row_chunks<F, E, tpr, cpt, layer_tn>(chunk, frow < valid);
     }
-    // Σ v over the tile (padding rows were zero-filled by the copy).
+    if constexpr (layer_tn) {
+      // V's padding rows as copy_tile leaves them, 0: a zero φ(k) times a NaN there would still be NaN.
+      if (tma && valid < tile_rows) {
+        constexpr int chunks = smem_tile<D>::chunks;
+        for (int x = tid; x < (tile_rows - valid) * chunks; x += nthreads)
+          *reinterpret_cast<uint4*>(vt.chunk(valid + x / chunks, x % chunks)) = make_uint4(0u, 0u, 0u, 0u);
+      }
+    } else {
+      // Σ v over the tile (padding rows were zero-filled by the copy).
 #pragma unroll
-    for (int r = 0; r < rows_per_group; ++r) {
-      float x[8];
-      unpack<E>(*reinterpret_cast<const uint4*>(vt.chunk(vrow + r * groups, vcol)), x);
+      for (int r = 0; r < rows_per_group; ++r) {
+        float x[8];
+        unpack<E>(*reinterpret_cast<const uint4*>(vt.chunk(vrow + r * groups, vcol)), x);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) vs[i] += x[i];
+        for (int i = 0; i < 8; ++i) vs[i] += x[i];
+      }
     }
-    stores_to_matrix_fence(); // φ(K) was stored by this thread and is read by wgmma (tn)
+    stores_to_matrix_fence(); // φ(K) and V's zeroed rows were stored by this thread and are read by wgmma
     __syncthreads();
 
     // KV[d1 band] += φ(K)ᵀ[d1 band, 64 tokens] · V[64 tokens, D]; z[d1] = row sums of the same operand.
     if constexpr (layer_tn) {
-      // Warpgroup g owns d1 = 64g … 64g+63, panel g of the φ(K) tile, which wgmma reads transposed. z is
-      // then the column sums of the same rounded tile, taken like Σ v by (row group, chunk) threads.
+      // Warpgroup g owns d1 = 64g … 64g+63, panel g of the φ(K) tile, which wgmma reads transposed; in the
+      // same chain it takes z for those d1 and Σ v for columns 64g … 64g+63 of V, each as a transposed panel
+      // times a block of ones. No warp loads or adds a tile element for the sums.
       static_assert(bands == 1 && L::warps % 4 == 0, "one 16-row band per warp, whole warpgroups");
-      M::tn(acc[0], kt, warp / 4, vt);
-#pragma unroll
-      for (int r = 0; r < rows_per_group; ++r) {
-        float x[8];
-        unpack<E>(*reinterpret_cast<const uint4*>(kt.chunk(vrow + r * groups, vcol)), x);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) zk[i] += x[i];
-      }
+#if VSA_WGMMA
+      M::tn_sums(acc[0], zsum, vsum, kt, warp / 4, vt, ones);
+#endif
     } else {
 #pragma unroll
       for (int k = 0; k < bands; ++k) {
@@ -516,9 +590,10 @@ __global__ void VSA_LINEAR_BOUNDS((band_layout<E, D>::threads), (D == 128 ? 2 : 
       if (c + 1 < end) load(c + 1, 0);
       copy_commit();
     }
+    if (stages == 3 && ++ring == stages) ring = 0, phase ^= 1u;
   }
 
-  copy_wait<0>(); // nothing may still be landing in shared memory when it is reused below
+  if (!tma) copy_wait<0>(); // nothing may still be landing in shared memory when it is reused below
 
   float* rec = p.partial + (slice * p.heads_total + bh) * record<D>::floats;
 #pragma unroll
@@ -536,23 +611,31 @@ __global__ void VSA_LINEAR_BOUNDS((band_layout<E, D>::threads), (D == 128 ? 2 : 
       }
     }
   }
-  // Σ v (and z by columns): the row groups' partial sums, added in group order through shared memory.
-  __syncthreads();
-  float* red = reinterpret_cast<float*>(smem_raw);
+  if constexpr (layer_tn) {
+#if VSA_WGMMA
+    // Warp w's sums are those of d = 16w + its rows (warpgroup g: d = 64g + 16(w mod 4) + …); every column of
+    // a sum tile holds the same value, so the row's leader writes its first.
+    if (M::row_leader()) {
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    red[vrow * D + vcol * 8 + i] = vs[i];
-    if (layer_tn) red[(groups + vrow) * D + vcol * 8 + i] = zk[i];
-  }
-  __syncthreads();
-  if (tid < D) {
-    float total = 0.f, z = 0.f;
-    for (int g = 0; g < groups; ++g) {
-      total += red[g * D + tid];
-      if (layer_tn) z += red[(groups + g) * D + tid];
+      for (int r = 0; r < R; ++r) {
+        const int d = 16 * warp + M::slot_row(r);
+        rec[record<D>::first + d] = zsum.x[2 * r];
+        rec[record<D>::second + d] = vsum.x[2 * r];
+      }
     }
-    rec[record<D>::second + tid] = total;
-    if (layer_tn) rec[record<D>::first + tid] = z;
+#endif
+  } else {
+    // Σ v: the row groups' partial sums, added in group order through shared memory.
+    __syncthreads();
+    float* red = reinterpret_cast<float*>(smem_raw);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) red[vrow * D + vcol * 8 + i] = vs[i];
+    __syncthreads();
+    if (tid < D) {
+      float total = 0.f;
+      for (int g = 0; g < groups; ++g) total += red[g * D + tid];
+      rec[record<D>::second + tid] = total;
+    }
   }
 }
 
@@ -571,35 +654,36 @@ struct state_reduce_params {
   state_view state;
 };
 
+// One block per (head, row d1 of the state), one thread per column d2: the block adds its row of every
+// slice's record, z[d1] and Σ v in slice order. The slice loop is unrolled, so that the loads of several
+// slices are in flight at once while the additions keep their order; with four rows a block and one load in
+// flight a thread the kernel was bound by the latency of its loads (22 µs on wan2.1 for ~17 MB of records).
+// Every block adds Σ v for m itself (its sum is the same in every block: same values, same order).
 template <class E, int D> __global__ void __launch_bounds__(D) state_reduce_kernel(state_reduce_params p) {
   __shared__ float scratch[D / warp_size > 0 ? D / warp_size : 1];
-  constexpr int blocks_per_head = D / reduce_rows;
   const int t = threadIdx.x;
-  const int64_t bh = blockIdx.x / blocks_per_head;
-  const int r0 = static_cast<int>(blockIdx.x % blocks_per_head) * reduce_rows;
+  const int64_t bh = blockIdx.x / D;
+  const int d1 = static_cast<int>(blockIdx.x % D);
   const float* base = p.partial + bh * record<D>::floats;
   const int64_t step = p.heads_total * record<D>::floats;
 
-  float vs = 0.f;
-  for (int64_t s = 0; s < p.slices; ++s) vs += base[s * step + record<D>::second + t];
+  float vs = 0.f, kv = 0.f, z = 0.f;
+#pragma unroll 8
+  for (int64_t s = 0; s < p.slices; ++s) {
+    const float* r = base + s * step;
+    vs += r[record<D>::second + t];
+    kv += r[d1 * D + t];
+    z += r[record<D>::first + d1];
+  }
   const float m = vs * p.inv_count;
   float* vec = p.state.vec + bh * 3 * D;
-  if (r0 == 0) vec[D + t] = m;
-#pragma unroll 1
-  for (int r = 0; r < reduce_rows; ++r) {
-    const int d1 = r0 + r;
-    float kv = 0.f, z = 0.f;
-    for (int64_t s = 0; s < p.slices; ++s) {
-      kv += base[s * step + d1 * D + t];
-      z += base[s * step + record<D>::first + d1];
-    }
-    const float centered = kv - z * m;
-    const float sigma = block_max<D>(fabsf(centered), scratch);
-    p.state.kvn[(bh * D + d1) * D + t] = E::from_float(sigma > 0.f ? centered / sigma : 0.f);
-    if (t == 0) {
-      vec[d1] = z;
-      vec[2 * D + d1] = sigma;
-    }
+  if (d1 == 0) vec[D + t] = m;
+  const float centered = kv - z * m;
+  const float sigma = block_max<D>(fabsf(centered), scratch);
+  p.state.kvn[(bh * D + d1) * D + t] = E::from_float(sigma > 0.f ? centered / sigma : 0.f);
+  if (t == 0) {
+    vec[d1] = z;
+    vec[2 * D + d1] = sigma;
   }
 }
 
@@ -612,18 +696,41 @@ struct apply_params {
   const uint16_t* kvn; // state_view::kvn
   const float* vec;    // state_view::vec
   float eps;
+  // Hopper: Q in and O out through the copy engine where the host could encode both maps (tma = 1,
+  // hopper_tma.hpp); otherwise, and everywhere else, copy_tile and store_tile.
+  int tma;
+  tma_map q_map, o_map;
 };
 
-// Shared memory: D / 64 tiles of KVn, the Q stages, then the per-column factors of the state, by pairs of
-// columns (the pair a lane's elements e, e + 1 form): {z, z, σ, σ} as one float4 and {m, m} as one float2.
+// Shared memory: D / 64 tiles of KVn, the Q stages, on Hopper two tiles in which O waits for the copy
+// engine's stores, then the per-column factors of the state, by pairs of columns (the pair a lane's elements
+// e, e + 1 form): {z, z, σ, σ} as one float4 and {m, m} as one float2. With two O tiles a tile's store may
+// still be reading one while the next tile's O is written into the other (98.5 KiB at D = 128 on Hopper,
+// still two blocks an SM, which the registers allow anyway).
 template <class E, int D> struct apply_shape {
   static constexpr int threads = 4 * warp_mma<E, D>::threads;
-  static constexpr int tiles = (D / 64 + copy_stages) * smem_tile<D>::bytes;
   static constexpr int factors = (D / 2) * (16 + 8);
-  static constexpr int smem(bool hopper) { return tiles + factors + tile_slack(hopper); }
+  static constexpr int out_stages(bool hopper) {
+    return hopper && (D / 64 + copy_stages + 2) * smem_tile<D>::bytes + factors + smem_slack <= max_block_smem ? 2 : 0;
+  }
+  static constexpr int tiles(bool hopper) { return (D / 64 + copy_stages + out_stages(hopper)) * smem_tile<D>::bytes; }
+  static constexpr int smem(bool hopper) { return tiles(hopper) + factors + tile_slack(hopper); }
   static_assert(smem(true) <= max_block_smem, "apply tiles do not fit");
   static_assert(threads >= D / 2, "one thread per column pair fills the factors");
 };
+
+// store_band for the copy engine's store of a whole tile: rows at and past `valid` are written 0 (padding
+// slots of a tiled tensor are written 0; in raster order those rows lie past the sequence, where the store
+// does not write).
+template <class E, int D> __device__ __forceinline__ void store_band_rows(const typename warp_mma<E, D>::out_tile& o,
+                                                                          smem_tile<D> t, int row0, int valid) {
+  using M = warp_mma<E, D>;
+#pragma unroll
+  for (int e = 0; e < M::out_elems; e += 2) {
+    const int row = row0 + M::elem_row(e);
+    *reinterpret_cast<uint32_t*>(t.at(row, M::elem_col(e))) = row < valid ? E::pack(o.x[e], o.x[e + 1]) : 0u;
+  }
+}
 
 // Per row of the band (slot) of features a = φ(q): a·z and 1 / (a·z + eps).
 template <class E, int D>
@@ -655,11 +762,13 @@ __device__ __forceinline__ void query_weights(typename warp_mma<E, D>::score_til
 // which is the module comment's P / β with den (and softmax's normalization) cancelled out of P̂.
 // The per-column factors are read from shared memory, a pair of columns a load.
 template <class E, int D, feature_map F>
-__global__ void VSA_LINEAR_BOUNDS((apply_shape<E, D>::threads), (D == 128 ? 2 : 4)) apply_kernel(apply_params p) {
+__global__ void VSA_LINEAR_BOUNDS((apply_shape<E, D>::threads), (D == 128 ? 2 : 4))
+    apply_kernel(const VSA_GRID_CONSTANT apply_params p) {
   using M = attention_mma<E, D>;
   constexpr int nthreads = apply_shape<E, D>::threads;
   constexpr int R = M::rows_per_lane, T = D / 64;
   constexpr int stages = copy_stages;
+  constexpr int out_stages = apply_shape<E, D>::out_stages(layer_tn);
 
   // KVn (D/64 tiles of 64 rows d1, the k axis of nn) is copied once with cp.async in the tile layout and
   // fenced by copy_wait, so wgmma reads it as nn's B as it stands.
@@ -667,7 +776,7 @@ __global__ void VSA_LINEAR_BOUNDS((apply_shape<E, D>::threads), (D == 128 ? 2 : 
   uint16_t* sm = VSA_LINEAR_TILES(smem_raw);
   const auto skv = [&](int c) { return smem_tile<D>{sm + c * 64 * D}; };
   const auto sq = [&](int buf) { return smem_tile<D>{sm + (T + buf) * 64 * D}; };
-  float4* zsigma = reinterpret_cast<float4*>(sm + (T + stages) * 64 * D);
+  float4* zsigma = reinterpret_cast<float4*>(sm + (T + stages + out_stages) * 64 * D);
   float2* mean = reinterpret_cast<float2*>(zsigma + D / 2);
 
   const int64_t slice = blockIdx.x % p.slices, bh = blockIdx.x / p.slices;
@@ -678,9 +787,31 @@ __global__ void VSA_LINEAR_BOUNDS((apply_shape<E, D>::threads), (D == 128 ? 2 : 
   slice_range(slice, p.slices, p.seq.chunks, begin, end);
   if (begin >= end) return;
 
+#if VSA_WGMMA
+  // The copy engine (hopper_tma.hpp): thread 0 asks for each Q tile (one barrier a stage) and stores each O
+  // tile from one of the two O stages; the block's copy work is then one wait a tile, and O leaves without a
+  // pass of 16-byte loads and stores through every thread.
+  static_assert(stages == 2 && out_stages == 2, "two Q stages and two O stages");
+  __shared__ __align__(8) uint64_t ready[stages];
+  const bool tma = p.tma != 0;
+  tma::init_barriers(ready, stages, tma, tid);
+  const auto so = [&](int buf) { return smem_tile<D>{sm + (T + stages + buf) * 64 * D}; };
+#endif
+  const auto load_q = [&](int64_t c, int buf) {
+#if VSA_WGMMA
+    if (tma) {
+      // Padding rows come as they are in memory: each output row depends on its own query row alone (φ, the
+      // row factors and the product are row by row), and rows at and past `valid` are written 0.
+      if (tid == 0) tma::tile_one{&ready[buf], 0u}.load<D>(sq(buf), &p.q_map, c * 64, h, b);
+      return;
+    }
+#endif
+    copy_tile(sq(buf), p.q.tile(b, h, c), p.q.token, p.seq.valid(c), tid, nthreads);
+  };
+
 #pragma unroll
   for (int c = 0; c < T; ++c) copy_tile(skv(c), p.kvn + (bhk * D + c * 64) * D, D, 64, tid, nthreads);
-  if (begin < end) copy_tile(sq(0), p.q.tile(b, h, begin), p.q.token, p.seq.valid(begin), tid, nthreads);
+  if (begin < end) load_q(begin, 0);
   copy_commit();
   if (tid < D / 2) { // ordered before the first use by the loop's first barrier
     const float* vec = p.vec + bhk * 3 * D + 2 * tid;
@@ -692,10 +823,17 @@ __global__ void VSA_LINEAR_BOUNDS((apply_shape<E, D>::threads), (D == 128 ? 2 : 
 
   for (int64_t c = begin; c < end; ++c) {
     const int buf = stages == 2 ? static_cast<int>((c - begin) & 1) : 0;
-    copy_wait<0>();
+    copy_wait<0>(); // KVn, and Q without the copy engine
+#if VSA_WGMMA
+    if (tma) {
+      // Q(c) on the barrier of its stage, in that barrier's phase (c − begin) / 2. The store that last read
+      // O stage `buf` (tile c − 2) must be done reading before the barrier below lets any warp write it.
+      tma::wait(&ready[buf], static_cast<uint32_t>((c - begin) >> 1) & 1u);
+      if (tid == 0) tma::store_wait_read<1>();
+    }
+#endif
     __syncthreads();
-    if (stages == 2 && c + 1 < end)
-      copy_tile(sq(buf ^ 1), p.q.tile(b, h, c + 1), p.q.token, p.seq.valid(c + 1), tid, nthreads);
+    if (stages == 2 && c + 1 < end) load_q(c + 1, buf ^ 1);
     copy_commit();
     const int valid = p.seq.valid(c);
 
@@ -743,6 +881,20 @@ __global__ void VSA_LINEAR_BOUNDS((apply_shape<E, D>::threads), (D == 128 ? 2 : 
       o.x[e + 1] = fmaf(beta[s], o.x[e + 1], m.y * mix[s]);
     }
 
+#if VSA_WGMMA
+    if (tma) {
+      // O into its own stage (free: see the wait above), fenced for the copy engine's reads, then one store.
+      // The fence also orders this thread's reads of Q stage `buf` before the copy engine refills it.
+      if (valid < tile_rows)
+        store_band_rows<E, D>(o, so(buf), row0, valid);
+      else
+        store_band<E, D>(o, so(buf), row0);
+      stores_to_matrix_fence();
+      __syncthreads();
+      if (tid == 0) tma::store_tile<D>(&p.o_map, so(buf), c * 64, h, b);
+      continue;
+    }
+#endif
     __syncthreads(); // the band's rows of Q are read; the stage now receives O
     store_band<E, D>(o, sq(buf), row0);
     __syncthreads();
@@ -753,6 +905,9 @@ __global__ void VSA_LINEAR_BOUNDS((apply_shape<E, D>::threads), (D == 128 ? 2 : 
       copy_commit();
     }
   }
+#if VSA_WGMMA
+  if (tma && tid == 0) tma::store_wait<0>(); // the block's shared memory must outlast the last stores
+#endif
 }
 
 // ---- backward: query side --------------------------------------------------------------------------------
