@@ -76,6 +76,9 @@ constexpr bool layer_tn = false;
 #define VSA_LINEAR_TILES(raw) reinterpret_cast<uint16_t*>(raw)
 #endif
 constexpr int tile_slack(bool hopper) { return hopper ? smem_slack : 0; }
+// What a Hopper (sm_90) block may opt into; only shared memory that the host adds for Hopper code alone (a
+// kernel's smem(true)) may go past max_block_smem.
+constexpr int hopper_max_block_smem = 227 * 1024;
 
 // One fp32 record per (slice, head) of the partial sums: a D × D matrix, then two D-vectors.
 template <int D> struct record {
@@ -230,6 +233,30 @@ template <feature_map F, class E, int D, int T>
 __device__ __forceinline__ void feature_band(typename warp_mma<E, D>::score_tile (&x)[T]) {
   float scale[warp_mma<E, D>::rows_per_lane];
   feature_band_scaled<F, true, E, D, T>(x, scale);
+}
+
+// Softmax over one part of each row of the band (the 64 columns of a score tile, when a row's columns are
+// split between warps): the exponentials relative to the part's own maximum, unnormalized, and per row that
+// maximum (times log2 e) and the part's sum. The parts combine as in a streaming softmax: with M the larger
+// maximum, part p is scaled by 2^(mx_p − M) / Σ_p' sum_p' 2^(mx_p' − M).
+template <class E, int D, int R>
+__device__ __forceinline__ void softmax_part(typename warp_mma<E, D>::score_tile& x, float (&mx)[R], float (&sum)[R]) {
+  using M = warp_mma<E, D>;
+  static_assert(R == M::rows_per_lane, "one maximum and sum per row of the lane");
+#pragma unroll
+  for (int r = 0; r < R; ++r) mx[r] = -__builtin_huge_valf(), sum[r] = 0.f;
+#pragma unroll
+  for (int e = 0; e < M::score_elems; ++e) mx[M::elem_slot(e)] = fmaxf(mx[M::elem_slot(e)], x.x[e]);
+#pragma unroll
+  for (int r = 0; r < R; ++r) mx[r] = M::row_max(mx[r]) * log2e;
+#pragma unroll
+  for (int e = 0; e < M::score_elems; ++e) {
+    const float y = fast_exp2(fmaf(x.x[e], log2e, -mx[M::elem_slot(e)]));
+    x.x[e] = y;
+    sum[M::elem_slot(e)] += y;
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) sum[r] = M::row_sum(sum[r]);
 }
 
 // d ← (∂φ/∂x)ᵀ d, with a = φ(x). Each derivative is a function of a alone: softmax's Jacobian is
@@ -935,10 +962,28 @@ template <class E, int D> struct query_grad_shape {
   // tiles at D = 128): read there, they are not reloaded from global memory for every tile.
   static constexpr int factor_bytes = 3 * D * 4;
   static constexpr bool factors_in_smem = tiles + factor_bytes + smem_slack <= max_block_smem;
-  static constexpr int smem(bool hopper) { return tiles + (factors_in_smem ? factor_bytes : 0) + tile_slack(hopper); }
-  static_assert(smem(true) <= max_block_smem, "query-gradient tiles do not fit");
+  // Hopper code with two warpgroups (D = 128) splits the row phase between them by column halves (see the
+  // kernel): each warpgroup's partial row sums (at most 5 a row) go through shared memory, and so does the
+  // tile's row factor g (64 floats), after the factors. Given to Hopper code only, which may exceed the
+  // 99 KiB that the other NVIDIA parts share.
+  static constexpr bool split_rows = L::warps == 8 && D == 128;
+  static constexpr int row_sums = 5;
+  static constexpr int exchange_floats = 2 * row_sums * 64 + 64;
+  static constexpr int exchange_offset = tiles + (factors_in_smem ? factor_bytes : 0);
+  static constexpr int exchange_bytes(bool hopper) { return hopper && split_rows ? exchange_floats * 4 : 0; }
+  static constexpr int smem(bool hopper) { return exchange_offset + exchange_bytes(hopper) + tile_slack(hopper); }
+  static_assert(smem(false) <= max_block_smem, "query-gradient tiles do not fit");
+  static_assert(smem(true) <= hopper_max_block_smem, "query-gradient tiles do not fit (Hopper)");
   static_assert(threads / (D / 2) * D * 4 <= smem(false), "dz̄ scratch does not fit");
 };
+
+// Blocks of query_grad an SM is compiled for at D = 128 on the wgmma backend (elsewhere one at D = 128, two at
+// D = 64). Two need registers capped at 128 a thread (256 threads), with the 64 of the dKV accumulator live
+// throughout; shared memory allows two (2 × ~101 KiB of the 228 KiB).
+#ifndef VSA_QUERY_GRAD_HOPPER_BLOCKS
+#define VSA_QUERY_GRAD_HOPPER_BLOCKS 2
+#endif
+constexpr int query_grad_hopper_blocks = VSA_QUERY_GRAD_HOPPER_BLOCKS;
 
 // Per 64-token tile. The first four warps take 16 rows each: dq_i = φ'(q_i)ᵀ da_i with (module comment;
 // s = KVn · dO_i, u_i = dO_i · ô_i, ô_i = φ(q_i)·KV̄ / den_i, μ_i = m · dO_i, g_i = μ_i eps / den_i − u_i)
@@ -948,8 +993,15 @@ template <class E, int D> struct query_grad_shape {
 // [0, 1] whatever the sequence length; the records carry that z scaling and grad_reduce removes it.
 // φ(q) waits for dq in 16-bit registers (E), which keeps the warps that also hold a 16 × D accumulator under
 // the register limit; everything else stays in fp32.
-template <class E, int D, feature_map F>
-__global__ void VSA_LINEAR_BOUNDS((band_layout<E, D>::threads), (D == 128 ? 1 : 2))
+// On the wgmma backend at D = 128 (two warpgroups) the row phase is split instead: warp w of warpgroup h takes
+// the same 16 rows as warp w of the other warpgroup but only the columns 64h … 64h+63 of d1 (s against KVn
+// tile h, half of φ(q) and s a thread). The row sums that span both halves (φ·z, m·dO, φσ·s, and softmax's
+// maximum and sum, combined as in a streaming softmax) are exchanged through shared memory across one
+// barrier, and each warpgroup then finishes dq and A for its columns. Otherwise four warps would work here
+// while the other four wait, one warp a scheduler with every latency exposed, and each would need the
+// registers of a whole row.
+template <class E, int D, feature_map F> __global__ void
+VSA_LINEAR_BOUNDS((band_layout<E, D>::threads), (D == 128 ? (layer_tn ? query_grad_hopper_blocks : 1) : 2))
     query_grad_kernel(query_grad_params p) {
   using M = attention_mma<E, D>;
   using L = band_layout<E, D>;
@@ -962,6 +1014,11 @@ __global__ void VSA_LINEAR_BOUNDS((band_layout<E, D>::threads), (D == 128 ? 1 : 
   // time (one 128-byte panel row, no bank conflict), and its g is one broadcast.
   constexpr int pairs = D / 2, groups = nthreads / pairs, rows_per_group = 64 / groups;
   static_assert(nthreads % pairs == 0 && 64 % groups == 0 && pairs % 32 == 0, "thread layout");
+  // Two warpgroups (D = 128) on the wgmma backend: the row phase runs on both, by column halves of d1
+  // (query_grad_shape::split_rows); otherwise on the first four warps, whole rows each.
+  constexpr bool split = layer_tn && query_grad_shape<E, D>::split_rows;
+  constexpr bool phi_in_smem = split && query_grad_hopper_blocks == 2;
+  static_assert(!split || (T == 2 && L::warps == 8 && query_grad_shape<E, D>::factors_in_smem), "split layout");
 
   extern __shared__ uint4 smem_raw[];
   uint16_t* sm = VSA_LINEAR_TILES(smem_raw);
@@ -1017,101 +1074,256 @@ __global__ void VSA_LINEAR_BOUNDS((band_layout<E, D>::threads), (D == 128 ? 1 : 
     const int valid = p.seq.valid(c);
     const smem_tile<D> qt = sq(buf), dot = sdo(buf);
 
-    uint32_t a16[T][M::score_elems / 2]; // φ(q), two elements a word
-    float inv_den[R], gk[R];
-    if (row_warp) {
-      float az[R], u[R], mu[R];
+    if constexpr (split) {
+      // Row phase by column halves: warpgroup `half` takes columns 64·half … 64·half+63 of d1 (panel `half`
+      // of the Q tile, KVn tile `half`) of the same 16 rows as warp w of the other warpgroup, so both
+      // warpgroups work here and each holds half of φ(q) and s. A warp reads and then overwrites (with A)
+      // only its own 16 rows of its own panel, so no barrier is needed between the Q reads and the A stores.
+      constexpr int K = query_grad_shape<E, D>::row_sums;
+      const int half = warp / 4, col0 = half * 64;
+      // xch[(h · K + k) · 64 + row]: row sum k over the columns of half h (0 φ·z, 1 m·dO, 2 φσ·s; softmax
+      // also 3 its maximum (log2 units), 4 its sum). Written by the row's leader lane.
+      float* xch = reinterpret_cast<float*>(sm + query_grad_shape<E, D>::exchange_offset / 2);
+      const auto put = [&](int k, const float(&v)[R]) {
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+          if (M::row_leader()) xch[(half * K + k) * 64 + row0 + M::slot_row(r)] = v[r];
+      };
+      // φ(q) of the half (softmax: its unnormalized part) rounded to E, two elements a word: in registers, or,
+      // compiled for two blocks an SM, in place of the warp's Q (16 registers fewer through nt and dq).
+      uint32_t a16[phi_in_smem ? 1 : M::score_elems / 2];
+      const auto phi_word = [&](int e) -> uint32_t& {
+        if constexpr (phi_in_smem)
+          return *reinterpret_cast<uint32_t*>(qt.at(row0 + M::elem_row(e), col0 + M::elem_col(e)));
+        else
+          return a16[e / 2];
+      };
       {
-        typename M::score_tile a[T];
-        load_band<E, D, T>(a, qt, row0);
-        feature_band<F, E, D, T>(a);
-        query_weights<E, D>(a, vec, p.eps, inv_den, az);
-#pragma unroll
-        for (int cc = 0; cc < T; ++cc)
-#pragma unroll
-          for (int e = 0; e < M::score_elems; e += 2) a16[cc][e / 2] = E::pack(a[cc].x[e], a[cc].x[e + 1]);
-      }
-#pragma unroll
-      for (int r = 0; r < R; ++r) u[r] = 0.f, mu[r] = 0.f;
-#pragma unroll
-      for (int cc = 0; cc < T; ++cc)
+        typename M::score_tile a[1];
 #pragma unroll
         for (int e = 0; e < M::score_elems; e += 2) {
-          const int col = cc * 64 + M::elem_col(e);
+          const uint32_t w = *reinterpret_cast<const uint32_t*>(qt.at(row0 + M::elem_row(e), col0 + M::elem_col(e)));
+          a[0].x[e] = E::to_float(static_cast<uint16_t>(w & 0xffffu));
+          a[0].x[e + 1] = E::to_float(static_cast<uint16_t>(w >> 16));
+        }
+        if constexpr (F == feature_map::softmax) {
+          float mx[R], sum[R];
+          softmax_part<E, D>(a[0], mx, sum);
+          put(3, mx);
+          put(4, sum);
+        } else {
+          feature_band<F, E, D, 1>(a);
+        }
+        float az[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) az[r] = 0.f;
+#pragma unroll
+        for (int e = 0; e < M::score_elems; e += 2) {
+          const float2 zc = column_pair(z, col0 + M::elem_col(e));
+          az[M::elem_slot(e)] += a[0].x[e] * zc.x + a[0].x[e + 1] * zc.y;
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) az[r] = M::row_sum(az[r]);
+        put(0, az);
+#pragma unroll
+        for (int e = 0; e < M::score_elems; e += 2) phi_word(e) = E::pack(a[0].x[e], a[0].x[e + 1]);
+      }
+      {
+        float mu[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) mu[r] = 0.f;
+#pragma unroll
+        for (int e = 0; e < M::score_elems; e += 2) {
+          const int col = col0 + M::elem_col(e);
           const uint32_t w = *reinterpret_cast<const uint32_t*>(dot.at(row0 + M::elem_row(e), col));
           const float2 mc = column_pair(m, col);
           mu[M::elem_slot(e)] += mc.x * E::to_float(static_cast<uint16_t>(w & 0xffffu)) +
                                  mc.y * E::to_float(static_cast<uint16_t>(w >> 16));
         }
-      typename M::score_tile s[T];
 #pragma unroll
-      for (int cc = 0; cc < T; ++cc) {
-#pragma unroll
-        for (int e = 0; e < M::score_elems; ++e) s[cc].x[e] = 0.f;
-        M::nt(s[cc], dot, row0, skv(cc));
+        for (int r = 0; r < R; ++r) mu[r] = M::row_sum(mu[r]);
+        put(1, mu);
       }
+      typename M::score_tile s; // s[:, d1] of the half
 #pragma unroll
-      for (int cc = 0; cc < T; ++cc)
+      for (int e = 0; e < M::score_elems; ++e) s.x[e] = 0.f;
+      M::nt(s, dot, row0, skv(half));
+      {
+        float u[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) u[r] = 0.f;
 #pragma unroll
         for (int e = 0; e < M::score_elems; e += 2) {
-          const int col = cc * 64 + M::elem_col(e);
-          const float a0 = E::to_float(static_cast<uint16_t>(a16[cc][e / 2] & 0xffffu));
-          const float a1 = E::to_float(static_cast<uint16_t>(a16[cc][e / 2] >> 16));
-          const float2 sc = column_pair(sigma, col);
-          u[M::elem_slot(e)] += a0 * sc.x * s[cc].x[e] + a1 * sc.y * s[cc].x[e + 1];
+          const uint32_t aw = phi_word(e);
+          const float a0 = E::to_float(static_cast<uint16_t>(aw & 0xffffu));
+          const float a1 = E::to_float(static_cast<uint16_t>(aw >> 16));
+          const float2 sc = column_pair(sigma, col0 + M::elem_col(e));
+          u[M::elem_slot(e)] += a0 * sc.x * s.x[e] + a1 * sc.y * s.x[e + 1];
         }
-      float inner[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) u[r] = M::row_sum(u[r]);
+        put(2, u);
+      }
+      __syncthreads(); // both halves' row sums are in xch
+      // Both warpgroups combine both halves' sums read back from xch with the same expression, in half order,
+      // so they agree bit for bit on every row factor (and the sums never depend on timing).
+      float inv_den[R], gk[R], inner[R], fa[R];
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        u[r] = M::row_sum(u[r]) * inv_den[r];
-        mu[r] = M::row_sum(mu[r]);
-        gk[r] = mu[r] * p.eps * inv_den[r] - u[r];
-        inner[r] = u[r] + gk[r] * az[r] * inv_den[r];
+        const float* x0 = xch + row0 + M::slot_row(r);
+        const float* x1 = x0 + K * 64;
+        float az, u;
+        if constexpr (F == feature_map::softmax) {
+          const float mx = fmaxf(x0[3 * 64], x1[3 * 64]);
+          const float w0 = fast_exp2(x0[3 * 64] - mx), w1 = fast_exp2(x1[3 * 64] - mx);
+          const float inv_sum = 1.f / (x0[4 * 64] * w0 + x1[4 * 64] * w1);
+          const float f0 = w0 * inv_sum, f1 = w1 * inv_sum; // each half's exponentials → φ(q)
+          az = f0 * x0[0] + f1 * x1[0];
+          u = f0 * x0[2 * 64] + f1 * x1[2 * 64];
+          fa[r] = half ? f1 : f0;
+        } else {
+          az = x0[0] + x1[0];
+          u = x0[2 * 64] + x1[2 * 64];
+          fa[r] = 1.f;
+        }
+        inv_den[r] = 1.f / (az + p.eps);
+        u *= inv_den[r];
+        gk[r] = (x0[64] + x1[64]) * p.eps * inv_den[r] - u;
+        inner[r] = u + gk[r] * az * inv_den[r];
       }
+      // dq for the half's columns, and A = φ(q) z / den (0 in padding rows) in place of the warp's Q.
       uint16_t* dq = p.dq.tile(b, h, c);
 #pragma unroll
-      for (int cc = 0; cc < T; ++cc)
+      for (int e = 0; e < M::score_elems; e += 2) {
+        const int row = row0 + M::elem_row(e), col = col0 + M::elem_col(e), sl = M::elem_slot(e);
+        const float2 sc = column_pair(sigma, col), zc = column_pair(z, col);
+        float a[2], g[2];
+        const uint32_t aw = phi_word(e);
 #pragma unroll
-        for (int e = 0; e < M::score_elems; e += 2) {
-          const int row = row0 + M::elem_row(e), col = cc * 64 + M::elem_col(e), sl = M::elem_slot(e);
-          const float2 sc = column_pair(sigma, col), zc = column_pair(z, col);
-          float g[2];
-#pragma unroll
-          for (int i = 0; i < 2; ++i) {
-            const float a = E::to_float(static_cast<uint16_t>(a16[cc][e / 2] >> (16 * i)));
-            const float da = ((i ? sc.y : sc.x) * s[cc].x[e + i] + (i ? zc.y : zc.x) * gk[sl]) * inv_den[sl];
-            if constexpr (F == feature_map::softmax)
-              g[i] = a * (da - inner[sl]);
-            else if constexpr (F == feature_map::elu1)
-              g[i] = da * fminf(a, 1.f);
-            else
-              g[i] = a > 0.f ? da : 0.f;
-          }
-          if (row < valid)
-            *reinterpret_cast<uint32_t*>(dq + row * p.dq.token + col) = E::pack(g[0], g[1]);
-          else if (p.seq.tiled)
-            *reinterpret_cast<uint32_t*>(dq + row * p.dq.token + col) = 0u;
+        for (int i = 0; i < 2; ++i) {
+          a[i] = E::to_float(static_cast<uint16_t>(aw >> (16 * i)));
+          if constexpr (F == feature_map::softmax) a[i] *= fa[sl];
+          const float da = ((i ? sc.y : sc.x) * s.x[e + i] + (i ? zc.y : zc.x) * gk[sl]) * inv_den[sl];
+          if constexpr (F == feature_map::softmax)
+            g[i] = a[i] * (da - inner[sl]);
+          else if constexpr (F == feature_map::elu1)
+            g[i] = da * fminf(a[i], 1.f);
+          else
+            g[i] = a[i] > 0.f ? da : 0.f;
         }
-    }
-    __syncthreads(); // every row warp has read its rows of Q: they now receive φ(q) z / den
-    if (row_warp) {
+        if (row < valid)
+          *reinterpret_cast<uint32_t*>(dq + row * p.dq.token + col) = E::pack(g[0], g[1]);
+        else if (p.seq.tiled)
+          *reinterpret_cast<uint32_t*>(dq + row * p.dq.token + col) = 0u;
+        const float w = row < valid ? inv_den[sl] : 0.f;
+        *reinterpret_cast<uint32_t*>(qt.at(row, col)) = E::pack(a[0] * zc.x * w, a[1] * zc.y * w);
+      }
+      if (half == 0) { // g of each row, for dz̄ (both warpgroups hold the same values)
+        float* grow = xch + 2 * K * 64;
 #pragma unroll
-      for (int cc = 0; cc < T; ++cc)
-#pragma unroll
-        for (int e = 0; e < M::score_elems; e += 2) {
-          const int row = row0 + M::elem_row(e), col = cc * 64 + M::elem_col(e);
-          const float w = row < valid ? inv_den[M::elem_slot(e)] : 0.f;
-          const float a0 = E::to_float(static_cast<uint16_t>(a16[cc][e / 2] & 0xffffu));
-          const float a1 = E::to_float(static_cast<uint16_t>(a16[cc][e / 2] >> 16));
-          const float2 zc = column_pair(z, col);
-          *reinterpret_cast<uint32_t*>(qt.at(row, col)) = E::pack(a0 * zc.x * w, a1 * zc.y * w);
+        for (int r = 0; r < R; ++r) {
+          const int row = row0 + M::slot_row(r);
+          if (M::row_leader()) grow[row] = row < valid ? gk[r] : 0.f;
         }
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const int row = row0 + M::slot_row(r);
-        if (M::row_leader()) rows[row] = row < valid ? gk[r] : 0.f;
       }
       stores_to_matrix_fence(); // A was stored by this thread and is read by wgmma (tn)
+    } else {
+      uint32_t a16[T][M::score_elems / 2]; // φ(q), two elements a word
+      float inv_den[R], gk[R];
+      if (row_warp) {
+        float az[R], u[R], mu[R];
+        {
+          typename M::score_tile a[T];
+          load_band<E, D, T>(a, qt, row0);
+          feature_band<F, E, D, T>(a);
+          query_weights<E, D>(a, vec, p.eps, inv_den, az);
+#pragma unroll
+          for (int cc = 0; cc < T; ++cc)
+#pragma unroll
+            for (int e = 0; e < M::score_elems; e += 2) a16[cc][e / 2] = E::pack(a[cc].x[e], a[cc].x[e + 1]);
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) u[r] = 0.f, mu[r] = 0.f;
+#pragma unroll
+        for (int cc = 0; cc < T; ++cc)
+#pragma unroll
+          for (int e = 0; e < M::score_elems; e += 2) {
+            const int col = cc * 64 + M::elem_col(e);
+            const uint32_t w = *reinterpret_cast<const uint32_t*>(dot.at(row0 + M::elem_row(e), col));
+            const float2 mc = column_pair(m, col);
+            mu[M::elem_slot(e)] += mc.x * E::to_float(static_cast<uint16_t>(w & 0xffffu)) +
+                                   mc.y * E::to_float(static_cast<uint16_t>(w >> 16));
+          }
+        typename M::score_tile s[T];
+#pragma unroll
+        for (int cc = 0; cc < T; ++cc) {
+#pragma unroll
+          for (int e = 0; e < M::score_elems; ++e) s[cc].x[e] = 0.f;
+          M::nt(s[cc], dot, row0, skv(cc));
+        }
+#pragma unroll
+        for (int cc = 0; cc < T; ++cc)
+#pragma unroll
+          for (int e = 0; e < M::score_elems; e += 2) {
+            const int col = cc * 64 + M::elem_col(e);
+            const float a0 = E::to_float(static_cast<uint16_t>(a16[cc][e / 2] & 0xffffu));
+            const float a1 = E::to_float(static_cast<uint16_t>(a16[cc][e / 2] >> 16));
+            const float2 sc = column_pair(sigma, col);
+            u[M::elem_slot(e)] += a0 * sc.x * s[cc].x[e] + a1 * sc.y * s[cc].x[e + 1];
+          }
+        float inner[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          u[r] = M::row_sum(u[r]) * inv_den[r];
+          mu[r] = M::row_sum(mu[r]);
+          gk[r] = mu[r] * p.eps * inv_den[r] - u[r];
+          inner[r] = u[r] + gk[r] * az[r] * inv_den[r];
+        }
+        uint16_t* dq = p.dq.tile(b, h, c);
+#pragma unroll
+        for (int cc = 0; cc < T; ++cc)
+#pragma unroll
+          for (int e = 0; e < M::score_elems; e += 2) {
+            const int row = row0 + M::elem_row(e), col = cc * 64 + M::elem_col(e), sl = M::elem_slot(e);
+            const float2 sc = column_pair(sigma, col), zc = column_pair(z, col);
+            float g[2];
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+              const float a = E::to_float(static_cast<uint16_t>(a16[cc][e / 2] >> (16 * i)));
+              const float da = ((i ? sc.y : sc.x) * s[cc].x[e + i] + (i ? zc.y : zc.x) * gk[sl]) * inv_den[sl];
+              if constexpr (F == feature_map::softmax)
+                g[i] = a * (da - inner[sl]);
+              else if constexpr (F == feature_map::elu1)
+                g[i] = da * fminf(a, 1.f);
+              else
+                g[i] = a > 0.f ? da : 0.f;
+            }
+            if (row < valid)
+              *reinterpret_cast<uint32_t*>(dq + row * p.dq.token + col) = E::pack(g[0], g[1]);
+            else if (p.seq.tiled)
+              *reinterpret_cast<uint32_t*>(dq + row * p.dq.token + col) = 0u;
+          }
+      }
+      __syncthreads(); // every row warp has read its rows of Q: they now receive φ(q) z / den
+      if (row_warp) {
+#pragma unroll
+        for (int cc = 0; cc < T; ++cc)
+#pragma unroll
+          for (int e = 0; e < M::score_elems; e += 2) {
+            const int row = row0 + M::elem_row(e), col = cc * 64 + M::elem_col(e);
+            const float w = row < valid ? inv_den[M::elem_slot(e)] : 0.f;
+            const float a0 = E::to_float(static_cast<uint16_t>(a16[cc][e / 2] & 0xffffu));
+            const float a1 = E::to_float(static_cast<uint16_t>(a16[cc][e / 2] >> 16));
+            const float2 zc = column_pair(z, col);
+            *reinterpret_cast<uint32_t*>(qt.at(row, col)) = E::pack(a0 * zc.x * w, a1 * zc.y * w);
+          }
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const int row = row0 + M::slot_row(r);
+          if (M::row_leader()) rows[row] = row < valid ? gk[r] : 0.f;
+        }
+        stores_to_matrix_fence(); // A was stored by this thread and is read by wgmma (tn)
+      }
     }
     __syncthreads();
 
@@ -1120,9 +1332,13 @@ __global__ void VSA_LINEAR_BOUNDS((band_layout<E, D>::threads), (D == 128 ? 1 : 
       // Warpgroup g owns d1 = 64g … 64g+63, panel g of the A tile, read transposed by wgmma; dz̄ by columns.
       static_assert(bands == 1 && L::warps % 4 == 0, "one 16-row band per warp, whole warpgroups");
       M::tn(acc[0], qt, warp / 4, dot);
+      const float* grow = rows; // the row factor g: in global scratch, or next to the row sums when split
+      if constexpr (split)
+        grow = reinterpret_cast<const float*>(sm + query_grad_shape<E, D>::exchange_offset / 2) +
+               2 * query_grad_shape<E, D>::row_sums * 64;
 #pragma unroll
       for (int r = 0; r < rows_per_group; ++r) {
-        const float g = rows[zrow + r];
+        const float g = grow[zrow + r];
         const uint32_t w = *reinterpret_cast<const uint32_t*>(qt.at(zrow + r, 2 * zpair));
         zk[0] += E::to_float(static_cast<uint16_t>(w & 0xffffu)) * g;
         zk[1] += E::to_float(static_cast<uint16_t>(w >> 16)) * g;
