@@ -979,9 +979,11 @@ template <class E, int D> struct query_grad_shape {
 
 // Blocks of query_grad an SM is compiled for at D = 128 on the wgmma backend (elsewhere one at D = 128, two at
 // D = 64). Two need registers capped at 128 a thread (256 threads), with the 64 of the dKV accumulator live
-// throughout; shared memory allows two (2 × ~101 KiB of the 228 KiB).
+// throughout; shared memory allows two (2 × ~101 KiB of the 228 KiB). Measured on the H200 (wan2.1, bf16,
+// elu+1): two blocks spill 64-112 B a thread inside the tile loop (165 MB of local loads a call) and the
+// backward took 534 µs; one block, no spills, 520 µs. So one is the default (bench/NOTES-linear.md).
 #ifndef VSA_QUERY_GRAD_HOPPER_BLOCKS
-#define VSA_QUERY_GRAD_HOPPER_BLOCKS 2
+#define VSA_QUERY_GRAD_HOPPER_BLOCKS 1
 #endif
 constexpr int query_grad_hopper_blocks = VSA_QUERY_GRAD_HOPPER_BLOCKS;
 
