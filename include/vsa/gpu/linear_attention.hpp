@@ -349,6 +349,20 @@ inline status linear_attention_backward(const problem& p, feature_map phi, float
     kp.state_vec = qp.vec;
     kp.grad_kvn = rp.grad.kvn;
     kp.grad_vec = rp.grad.vec;
+    // On Hopper K, V in and dk, dv out through the copy engine where all four maps encode (hopper_tma.hpp);
+    // the maps end at the sequence's last token, so a short last raster chunk is zero-filled on the way in
+    // and clipped on the way out.
+    kp.tma = 0;
+    if (w.hopper &&
+        gpu::encode_tile_map(kp.k_map, k.data, p.batch, tokens, p.kv_heads, D, k.batch_stride, k.token_stride,
+                             k.head_stride) &&
+        gpu::encode_tile_map(kp.v_map, v.data, p.batch, tokens, p.kv_heads, D, v.batch_stride, v.token_stride,
+                             v.head_stride) &&
+        gpu::encode_tile_map(kp.dk_map, dk.data, p.batch, tokens, p.kv_heads, D, dk.batch_stride, dk.token_stride,
+                             dk.head_stride) &&
+        gpu::encode_tile_map(kp.dv_map, dv.data, p.batch, tokens, p.kv_heads, D, dv.batch_stride, dv.token_stride,
+                             dv.head_stride))
+      kp.tma = 1;
     gl::key_grad_kernel<E, D, F><<<static_cast<unsigned>(w.heads_kv * w.slices_key), gl::key_grad_shape<E, D>::threads,
                                    gl::key_grad_shape<E, D>::smem(w.hopper), stream>>>(kp);
     return gpu::launch_status("linear attention backward (key side)");

@@ -64,14 +64,14 @@ template <int N> __device__ __forceinline__ void pin(float (&x)[N]) {
   "%46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
 
 // d (64 × N over the warpgroup, N/2 floats a thread) += A · B for one k step of 16: A from registers (this
-// warp's 16 rows), B from shared memory; TransB = 1 for an MN-major B. The scale-d predicate is set, so the
-// product accumulates. TAIL names the A registers, the B descriptor, the predicate and the immediates by operand
-// number: they follow the N/2 accumulators.
+// warp's 16 rows), B from shared memory; TransB = 1 for an MN-major B; acc = 0 writes d = A · B instead,
+// ignoring what d held. TAIL names the A registers, the B descriptor, the predicate and the immediates by
+// operand number: they follow the N/2 accumulators.
 #define VSA_WG_RS(N, TYPE, DLIST, PRED, TAIL, ...)                                                                     \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " PRED ", 0;\n"                                                       \
                "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " DLIST ", " TAIL ";\n}"              \
                : __VA_ARGS__                                                                                           \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1), "n"(TransB))
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(acc), "n"(TransB))
 #define VSA_WG_RS64(TYPE)                                                                                              \
   VSA_WG_RS(64, TYPE, VSA_WG_D32, "%37", "{%32, %33, %34, %35}, %36, p, 1, 1, %38", VSA_WG_ACC32(d, 0))
 #define VSA_WG_RS128(TYPE)                                                                                             \
@@ -79,7 +79,7 @@ template <int N> __device__ __forceinline__ void pin(float (&x)[N]) {
             VSA_WG_ACC32(d, 32))
 
 template <bool BF16, int N, int TransB>
-__device__ __forceinline__ void mma_rs(float* d, const uint32_t (&a)[4], uint64_t b) {
+__device__ __forceinline__ void mma_rs(float* d, const uint32_t (&a)[4], uint64_t b, int acc = 1) {
   static_assert(N == 64 || N == 128, "wgmma shapes used: n64, n128");
   if constexpr (N == 64 && BF16) {
     VSA_WG_RS64("bf16");
@@ -244,6 +244,70 @@ template <class E, int D> struct warpgroup_mma : warp_mma<E, D> {
     for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
       for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(a.x[kk][r])::"memory");
+  }
+
+  // A 16 × D band of this warp (D/64 score tiles, columns 64c … of tile c) rounded to E, as the A operand of
+  // the D/16 k steps of a product over the head dim: the accumulator-to-A identity that keeps P in registers
+  // (nn), applied to each score tile. For an operand that a warp needs only its own rows of (the linear key
+  // gradient's v − m), this saves the pass through shared memory and the block barrier a descriptor read of
+  // the whole tile would need.
+  struct band_frag {
+    uint32_t x[D / 16][4];
+  };
+  __device__ __forceinline__ static void pack(band_frag& a, const score_tile (&t)[D / 64]) {
+#pragma unroll
+    for (int c = 0; c < D / 64; ++c)
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+          a.x[4 * c + kk][r] = E::pack(t[c].x[nv_lanes::p_elem(kk, r, 0)], t[c].x[nv_lanes::p_elem(kk, r, 1)]);
+  }
+  __device__ __forceinline__ static void pin(band_frag& a) {
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(a.x[ks][r])::"memory");
+  }
+  // s = A · Bᵀ, A the band in registers, B the 64 rows of tile b (K-major, as in nt): issued as one group and
+  // returned at once (wait as for nt_into; the band's registers stay untouched until then). The first k step
+  // does not accumulate, so s needs no zeros.
+  __device__ __forceinline__ static void nt_async(score_tile& s, band_frag& a, smem_tile<D> b) {
+    uint64_t db[D / 16];
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      db[ks] = k_major(b, ks);
+      asm volatile("" : "+l"(db[ks]));
+    }
+    pin(a);
+    wgmma::pin(s.x);
+    wgmma::fence();
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) wgmma::mma_rs<E::is_bf16, 64, 0>(s.x, a.x[ks], db[ks], ks > 0 ? 1 : 0);
+    wgmma::commit();
+  }
+  // o = Σ_c P_c · B_c over c < D/64 (a k axis of D): P_c as nn's A operand, B_c the 64-row tile that starts
+  // c tiles after b (MN-major, as in nn). One chain of D/16 k steps issued as one group (wait as for nn_async);
+  // the first does not accumulate, so o needs no zeros.
+  __device__ __forceinline__ static void nn_stack_async(out_tile& o, prob_frag (&a)[D / 64], smem_tile<D> b) {
+    uint64_t db[D / 16];
+#pragma unroll
+    for (int c = 0; c < D / 64; ++c)
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        db[4 * c + kk] = mn_major(smem_tile<D>{b.base + c * tile_rows * D}, kk);
+        asm volatile("" : "+l"(db[4 * c + kk]));
+      }
+#pragma unroll
+    for (int c = 0; c < D / 64; ++c) pin(a[c]);
+    wgmma::pin(o.x);
+    wgmma::fence();
+#pragma unroll
+    for (int c = 0; c < D / 64; ++c)
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        wgmma::mma_rs<E::is_bf16, D, 1>(o.x, a[c].x[kk], db[4 * c + kk], c + kk > 0 ? 1 : 0);
+    wgmma::commit();
   }
 
   // o += Aᵀ · B over the 64 rows of two shared tiles (the k axis): A the 64 columns of panel `panel` of tile
