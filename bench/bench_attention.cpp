@@ -89,8 +89,8 @@ device_lists data_lists(const inputs& in) {
   check(block_means(p, as_const(in.view(in.q, p.q_heads)), as_const(in.view(in.kk, p.kv_heads)),
                     as_const(in.view(in.v, p.kv_heads)), q_c.get(), k_c.get(), v_c.get(), nullptr),
         "block_means");
-  check(coarse_attention(p, scale, q_c.get(), k_c.get(), v_c.get(), scores.get<float>(), o_c.get(),
-                         lse_c.get<float>(), nullptr),
+  check(coarse_attention(p, scale, q_c.get(), k_c.get(), v_c.get(), scores.get<float>(), o_c.get(), lse_c.get<float>(),
+                         nullptr),
         "coarse_attention");
   device_lists l{buffer(rows * in.k * 4), buffer(rows * 4), buffer(rows * in.k * 4),
                  buffer(p.batch * p.q_heads * (n + 1) * 4)};
