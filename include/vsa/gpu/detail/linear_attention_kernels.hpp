@@ -299,6 +299,21 @@ __device__ __forceinline__ float2 column_pair(const float* v, int col) {
   return *reinterpret_cast<const float2*>(v + col);
 }
 
+// The key side's db = σ′ · s + dz̄ per column, s = (v − m)·dKVnᵀ over the band's T score tiles; the two loops
+// of key_grad (through the copy engine, and the fallback) share it. g may be s itself.
+template <class M, int T> __device__ __forceinline__ void
+key_db(typename M::score_tile (&g)[T], const typename M::score_tile (&s)[T], const float* sigma, const float* dz) {
+#pragma unroll
+  for (int cc = 0; cc < T; ++cc)
+#pragma unroll
+    for (int e = 0; e < M::score_elems; e += 2) {
+      const int col = cc * 64 + M::elem_col(e);
+      const float2 sc = column_pair(sigma, col), zc = column_pair(dz, col);
+      g[cc].x[e] = sc.x * s[cc].x[e] + zc.x;
+      g[cc].x[e + 1] = sc.y * s[cc].x[e + 1] + zc.y;
+    }
+}
+
 // Writes a 16 × D fp32 band into rows row0 … of a shared tile, rounded to E. Adjacent elements e, e + 1
 // of the layer are adjacent columns of one row, so pairs go out as one 32-bit store.
 template <class E, int D>
@@ -1582,15 +1597,7 @@ __global__ void VSA_LINEAR_BOUNDS((key_grad_shape<E, D>::threads), (D == 128 ? 2
       for (int cc = 0; cc < T; ++cc) wgmma::pin(s[cc].x);
       M::pin(va);
       typename M::score_tile g[T]; // db, then dk
-#pragma unroll
-      for (int cc = 0; cc < T; ++cc)
-#pragma unroll
-        for (int e = 0; e < M::score_elems; e += 2) {
-          const int col = cc * 64 + M::elem_col(e);
-          const float2 sc = column_pair(sigma, col), zc = column_pair(dz, col);
-          g[cc].x[e] = sc.x * s[cc].x[e] + zc.x;
-          g[cc].x[e + 1] = sc.y * s[cc].x[e + 1] + zc.y;
-        }
+      key_db<M, T>(g, s, sigma, dz);
       feature_backward_band<F, E, D, T>(f, g);
       // All ones for the lane's rows below `valid`: a padding row's results (from whatever the copy engine
       // brought, NaN included) are masked to 0 bit for bit, with no branch per stored word.
@@ -1750,15 +1757,7 @@ __global__ void VSA_LINEAR_BOUNDS((key_grad_shape<E, D>::threads), (D == 128 ? 2
       for (int e = 0; e < M::score_elems; ++e) s[cc].x[e] = 0.f;
       M::nt(s[cc], vt, row0, sg(cc));
     }
-#pragma unroll
-    for (int cc = 0; cc < T; ++cc)
-#pragma unroll
-      for (int e = 0; e < M::score_elems; e += 2) {
-        const int col = cc * 64 + M::elem_col(e);
-        const float2 sc = column_pair(sigma, col), zc = column_pair(dz, col);
-        s[cc].x[e] = sc.x * s[cc].x[e] + zc.x;
-        s[cc].x[e + 1] = sc.y * s[cc].x[e + 1] + zc.y;
-      }
+    key_db<M, T>(s, s, sigma, dz);
     feature_backward_band<F, E, D, T>(f, s);
     __syncthreads(); // every warp has read its rows of v − m: they now receive dk
 #pragma unroll
