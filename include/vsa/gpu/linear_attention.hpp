@@ -175,6 +175,13 @@ template <class E, int D, feature_map F> status make_plan(const problem& p, toke
 }
 
 // Launches of the stages; each returns the launch's status.
+// The copy engine's map of one [B, S, H, D] tensor of a call (hopper_tma.hpp); false where it does not encode,
+// and the kernel then copies without it.
+template <class Tensor>
+bool encode_map(tma_map& map, const Tensor& t, const problem& p, int64_t tokens, int64_t heads, int64_t d) {
+  return encode_tile_map(map, t.data, p.batch, tokens, heads, d, t.batch_stride, t.token_stride, t.head_stride);
+}
+
 template <class E, int D, feature_map F> status run_state(const problem& p, const plan& w, const sequence& seq,
                                                           const_tensor k, const_tensor v, void* workspace,
                                                           stream_t stream) {
@@ -189,11 +196,8 @@ template <class E, int D, feature_map F> status run_state(const problem& p, cons
   // On Hopper K and V go through the copy engine where both maps encode (hopper_tma.hpp); the maps end at the
   // sequence's last token, so the copy engine fills a short last raster chunk with zeros.
   sp.tma = 0;
-  if (w.hopper &&
-      encode_tile_map(sp.k_map, k.data, p.batch, seq.tokens, p.kv_heads, D, k.batch_stride, k.token_stride,
-                      k.head_stride) &&
-      encode_tile_map(sp.v_map, v.data, p.batch, seq.tokens, p.kv_heads, D, v.batch_stride, v.token_stride,
-                      v.head_stride))
+  if (w.hopper && encode_map(sp.k_map, k, p, seq.tokens, p.kv_heads, D) &&
+      encode_map(sp.v_map, v, p, seq.tokens, p.kv_heads, D))
     sp.tma = 1;
   state_kernel<E, D, F><<<static_cast<unsigned>(w.heads_kv * w.slices_state), state_shape<E, D>::threads,
                           state_shape<E, D>::smem(w.hopper), stream>>>(sp);
@@ -257,11 +261,8 @@ inline status linear_attention_forward(const problem& p, feature_map phi, float 
     ap.eps = eps;
     // On Hopper Q and O go through the copy engine where both maps encode (hopper_tma.hpp).
     ap.tma = 0;
-    if (w.hopper &&
-        gpu::encode_tile_map(ap.q_map, q.data, p.batch, tokens, p.q_heads, D, q.batch_stride, q.token_stride,
-                             q.head_stride) &&
-        gpu::encode_tile_map(ap.o_map, o_l.data, p.batch, tokens, p.q_heads, D, o_l.batch_stride, o_l.token_stride,
-                             o_l.head_stride))
+    if (w.hopper && gl::encode_map(ap.q_map, q, p, tokens, p.q_heads, D) &&
+        gl::encode_map(ap.o_map, o_l, p, tokens, p.q_heads, D))
       ap.tma = 1;
     gl::apply_kernel<E, D, F><<<static_cast<unsigned>(w.heads_q * w.slices_apply), gl::apply_shape<E, D>::threads,
                                 gl::apply_shape<E, D>::smem(w.hopper), stream>>>(ap);
@@ -353,15 +354,10 @@ inline status linear_attention_backward(const problem& p, feature_map phi, float
     // the maps end at the sequence's last token, so a short last raster chunk is zero-filled on the way in
     // and clipped on the way out.
     kp.tma = 0;
-    if (w.hopper &&
-        gpu::encode_tile_map(kp.k_map, k.data, p.batch, tokens, p.kv_heads, D, k.batch_stride, k.token_stride,
-                             k.head_stride) &&
-        gpu::encode_tile_map(kp.v_map, v.data, p.batch, tokens, p.kv_heads, D, v.batch_stride, v.token_stride,
-                             v.head_stride) &&
-        gpu::encode_tile_map(kp.dk_map, dk.data, p.batch, tokens, p.kv_heads, D, dk.batch_stride, dk.token_stride,
-                             dk.head_stride) &&
-        gpu::encode_tile_map(kp.dv_map, dv.data, p.batch, tokens, p.kv_heads, D, dv.batch_stride, dv.token_stride,
-                             dv.head_stride))
+    if (w.hopper && gl::encode_map(kp.k_map, k, p, tokens, p.kv_heads, D) &&
+        gl::encode_map(kp.v_map, v, p, tokens, p.kv_heads, D) &&
+        gl::encode_map(kp.dk_map, dk, p, tokens, p.kv_heads, D) &&
+        gl::encode_map(kp.dv_map, dv, p, tokens, p.kv_heads, D))
       kp.tma = 1;
     gl::key_grad_kernel<E, D, F><<<static_cast<unsigned>(w.heads_kv * w.slices_key), gl::key_grad_shape<E, D>::threads,
                                    gl::key_grad_shape<E, D>::smem(w.hopper), stream>>>(kp);

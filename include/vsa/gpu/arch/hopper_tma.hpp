@@ -173,15 +173,19 @@ template <int D> __device__ __forceinline__ void load_tile(smem_tile<D> t, const
     load_box(t.base + c * smem_layout::panel, map, bar, c * smem_layout::panel_cols, static_cast<int>(token),
              static_cast<int>(head), static_cast<int>(batch));
 }
-// Every thread, once a tile has landed: zeroes its rows at and past `valid` (a box is a whole tile, padding
-// slots included, and a padding slot may hold anything: a NaN times a zero probability is NaN), then the block
-// meets so that every thread's zeros are in place before any warp's product reads them. `valid` is the same for
-// every thread: the barrier is reached by all or none.
-template <int D> __device__ __forceinline__ void clear_rows(smem_tile<D> t, int valid, int tid, int nthreads) {
-  if (valid >= tile_rows) return;
+// Every thread, once a tile has landed: this thread's share of zeroing the tile's rows at and past `valid`, as
+// copy_tile's zero-fill leaves them (a box is a whole tile, padding slots included, and a padding slot may hold
+// anything: a NaN times a zero probability is NaN). No fence and no barrier: the caller orders the zeros.
+template <int D> __device__ __forceinline__ void zero_rows(smem_tile<D> t, int valid, int tid, int nthreads) {
   constexpr int chunks = smem_tile<D>::chunks;
   for (int x = tid; x < (tile_rows - valid) * chunks; x += nthreads)
     *reinterpret_cast<uint4*>(t.chunk(valid + x / chunks, x % chunks)) = make_uint4(0u, 0u, 0u, 0u);
+}
+// zero_rows, then the block meets so that every thread's zeros are in place before any warp's product reads
+// them. `valid` is the same for every thread: the barrier is reached by all or none.
+template <int D> __device__ __forceinline__ void clear_rows(smem_tile<D> t, int valid, int tid, int nthreads) {
+  if (valid >= tile_rows) return;
+  zero_rows<D>(t, valid, tid, nthreads);
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   __syncthreads();
 }

@@ -586,11 +586,9 @@ __global__ void VSA_LINEAR_BOUNDS((band_layout<E, D>::threads), (D == 128 ? 2 : 
     }
     if constexpr (layer_tn) {
       // V's padding rows as copy_tile leaves them, 0: a zero φ(k) times a NaN there would still be NaN.
-      if (tma && valid < tile_rows) {
-        constexpr int chunks = smem_tile<D>::chunks;
-        for (int x = tid; x < (tile_rows - valid) * chunks; x += nthreads)
-          *reinterpret_cast<uint4*>(vt.chunk(valid + x / chunks, x % chunks)) = make_uint4(0u, 0u, 0u, 0u);
-      }
+#if VSA_WGMMA
+      if (tma && valid < tile_rows) tma::zero_rows<D>(vt, valid, tid, nthreads);
+#endif
     } else {
       // Σ v over the tile (padding rows were zero-filled by the copy).
 #pragma unroll
