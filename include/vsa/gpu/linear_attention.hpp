@@ -319,6 +319,18 @@ inline status linear_attention_backward(const problem& p, feature_map phi, float
     qp.eps = eps;
     qp.partial = w.at<float>(workspace, w.partial);
     qp.rows = w.at<float>(workspace, w.rows);
+    // On Hopper Q and dO in and dq out through the copy engine where the kernel has the shared memory for it
+    // and all three maps encode (hopper_tma.hpp); the maps end at the sequence's last token, so a short last
+    // raster chunk is zero-filled on the way in and clipped on the way out.
+    qp.tma = 0;
+    if (w.hopper && gl::query_grad_shape<E, D>::tma &&
+        gpu::encode_tile_map(qp.q_map, q.data, p.batch, tokens, p.q_heads, D, q.batch_stride, q.token_stride,
+                             q.head_stride) &&
+        gpu::encode_tile_map(qp.do_map, d_o.data, p.batch, tokens, p.q_heads, D, d_o.batch_stride, d_o.token_stride,
+                             d_o.head_stride) &&
+        gpu::encode_tile_map(qp.dq_map, dq.data, p.batch, tokens, p.q_heads, D, dq.batch_stride, dq.token_stride,
+                             dq.head_stride))
+      qp.tma = 1;
     gl::query_grad_kernel<E, D, F>
         <<<static_cast<unsigned>(w.heads_q * w.slices_query), gl::query_grad_shape<E, D>::threads,
            gl::query_grad_shape<E, D>::smem(w.hopper), stream>>>(qp);
