@@ -346,7 +346,7 @@ inline status linear_attention_backward(const problem& p, feature_map phi, float
     rp.heads_total = w.heads_q;
     rp.state_vec = qp.vec;
     rp.grad = {w.at<uint16_t>(workspace, w.grad_kvn), w.at<float>(workspace, w.grad_vec)};
-    gl::grad_reduce_kernel<E, D><<<static_cast<unsigned>(w.heads_kv * (D / gl::reduce_rows)), D, 0, stream>>>(rp);
+    gl::grad_reduce_kernel<E, D><<<static_cast<unsigned>(w.heads_kv * D), D, 0, stream>>>(rp);
     st = gpu::launch_status("linear attention backward (state gradient)");
     if (!st) return st;
 
