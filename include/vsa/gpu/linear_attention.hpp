@@ -320,6 +320,14 @@ inline status linear_attention_backward(const problem& p, feature_map phi, float
     qp.eps = eps;
     qp.partial = w.at<float>(workspace, w.partial);
     qp.rows = w.at<float>(workspace, w.rows);
+    // On Hopper Q and dO in and dq out through the copy engine where the kernel has the shared memory for it
+    // and all three maps encode (hopper_tma.hpp); the maps end at the sequence's last token, so a short last
+    // raster chunk is zero-filled on the way in and clipped on the way out.
+    qp.tma = 0;
+    if (w.hopper && gl::query_grad_shape<E, D>::tma && gl::encode_map(qp.q_map, q, p, tokens, p.q_heads, D) &&
+        gl::encode_map(qp.do_map, d_o, p, tokens, p.q_heads, D) &&
+        gl::encode_map(qp.dq_map, dq, p, tokens, p.q_heads, D))
+      qp.tma = 1;
     gl::query_grad_kernel<E, D, F>
         <<<static_cast<unsigned>(w.heads_q * w.slices_query), gl::query_grad_shape<E, D>::threads,
            gl::query_grad_shape<E, D>::smem(w.hopper), stream>>>(qp);
@@ -335,7 +343,7 @@ inline status linear_attention_backward(const problem& p, feature_map phi, float
     rp.heads_total = w.heads_q;
     rp.state_vec = qp.vec;
     rp.grad = {w.at<uint16_t>(workspace, w.grad_kvn), w.at<float>(workspace, w.grad_vec)};
-    gl::grad_reduce_kernel<E, D><<<static_cast<unsigned>(w.heads_kv * (D / gl::reduce_rows)), D, 0, stream>>>(rp);
+    gl::grad_reduce_kernel<E, D><<<static_cast<unsigned>(w.heads_kv * D), D, 0, stream>>>(rp);
     st = gpu::launch_status("linear attention backward (state gradient)");
     if (!st) return st;
 

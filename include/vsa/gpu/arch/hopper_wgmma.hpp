@@ -327,6 +327,22 @@ template <class E, int D> struct warpgroup_mma : warp_mma<E, D> {
     wgmma::wait<0>();
     wgmma::pin(o.x);
   }
+  // tn issued as one group that returns at once (wait as for nn_async), for a caller with other work on the
+  // same tiles meanwhile; the descriptors are made before the fence (see nt_into).
+  __device__ __forceinline__ static void tn_async(out_tile& o, smem_tile<D> a, int panel, smem_tile<D> b) {
+    uint64_t da[4], db[4];
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      da[kk] = wgmma::descriptor(a.base, wgmma_layout::mn_major_panel(panel, kk));
+      db[kk] = mn_major(b, kk);
+      asm volatile("" : "+l"(da[kk]), "+l"(db[kk]));
+    }
+    wgmma::pin(o.x);
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma::mma_ss<E::is_bf16, D, 1, 1>(o.x, da[kk], db[kk]);
+    wgmma::commit();
+  }
 
   // A 64 × 8 accumulator (m64n8) of column sums: warp w holds rows 16w + lane/4 (x[0], x[1]) and
   // 16w + lane/4 + 8 (x[2], x[3]) at columns 2·(lane mod 4) and the next, the lane layout of out_tile's first

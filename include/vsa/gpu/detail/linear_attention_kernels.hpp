@@ -86,9 +86,6 @@ template <int D> struct record {
   static constexpr int64_t floats = int64_t(D) * D + 2 * D;
 };
 
-// Rows of the state-gradient matrix each grad_reduce block owns (state_reduce takes one row a block).
-constexpr int reduce_rows = 4;
-
 // Warps of the blocks whose warps own rows of a D × D accumulator: enough bands per warp that the
 // accumulators take at most 64 fp32 registers a lane (a 16 × D band is D/2 registers on 32-lane warps,
 // D/4 on 64-lane wavefronts), and at least four warps.
@@ -962,7 +959,25 @@ struct query_grad_params {
   float eps;
   float* partial; // [slices, heads_total] records: z-scaled dKV (d1 rows), z-scaled dz̄
   float* rows;    // [slices · heads_total, 64]: the per-row factor g, handed from the row warps to the band warps
+  // Hopper: Q and dO in, dq out through the copy engine where the host could encode all three maps and the
+  // kernel's shared memory has room for it (tma = 1, query_grad_shape::tma); otherwise, and everywhere else,
+  // copy_tile and ordinary stores.
+  int tma;
+  tma_map q_map, do_map, dq_map;
 };
+
+// Blocks of query_grad an SM is compiled for at D = 128 on the wgmma backend (elsewhere one at D = 128, two at
+// D = 64). Two need registers capped at 128 a thread (256 threads), with the 64 of the dKV accumulator live
+// throughout; shared memory allows two (2 × ~101 KiB of the 228 KiB). Measured on the H200 (wan2.1, bf16,
+// elu+1): two blocks spill 64-112 B a thread inside the tile loop (165 MB of local loads a call) and the
+// backward took 534 µs; one block, no spills, 520 µs. So one is the default (bench/NOTES-linear.md). Two
+// blocks leave no room for the copy engine's stages, so that build keeps the cp.async loop.
+#ifndef VSA_QUERY_GRAD_HOPPER_BLOCKS
+#define VSA_QUERY_GRAD_HOPPER_BLOCKS 1
+#endif
+constexpr int query_grad_hopper_blocks = VSA_QUERY_GRAD_HOPPER_BLOCKS;
+// Shared memory of a Hopper SM, and what the system keeps of it for each resident block.
+constexpr int hopper_sm_smem = 228 * 1024, hopper_block_reserve = 1024;
 
 template <class E, int D> struct query_grad_shape {
   using L = band_layout<E, D>;
@@ -984,21 +999,308 @@ template <class E, int D> struct query_grad_shape {
   static constexpr int exchange_floats = 2 * row_sums * 64 + 64;
   static constexpr int exchange_offset = tiles + (factors_in_smem ? factor_bytes : 0);
   static constexpr int exchange_bytes(bool hopper) { return hopper && split_rows ? exchange_floats * 4 : 0; }
-  static constexpr int smem(bool hopper) { return exchange_offset + exchange_bytes(hopper) + tile_slack(hopper); }
+  // Through the copy engine (Hopper code, the kernel's tma path) the block keeps the layout above with the
+  // exchange whatever the split (its last 64 floats hold g at D = 64 too, instead of the global scratch), then
+  // from the next 1024-byte boundary a third (Q, dO) stage and two tiles in which dq waits for the copy
+  // engine's stores: three stages let two tiles stream in while one is used, two dq tiles let a tile's store
+  // still read one while the next dq is written into the other. It is taken only where the blocks an SM the
+  // kernel is compiled for still fit (D = 128: 166 KiB at one block; D = 64: 77 KiB at two).
+  static constexpr int tma_stages = 3, dq_stages = 2;
+  static constexpr int tma_extra = (exchange_offset + exchange_floats * 4 + 1023) / 1024 * 1024;
+  static constexpr int tma_bytes =
+      tma_extra + (2 * (tma_stages - stages) + dq_stages) * smem_tile<D>::bytes + smem_slack;
+  static constexpr int hopper_blocks = D == 128 ? query_grad_hopper_blocks : 2;
+  static constexpr bool tma = stages == 2 && factors_in_smem && tma_bytes <= hopper_max_block_smem &&
+                              hopper_blocks * (tma_bytes + hopper_block_reserve) <= hopper_sm_smem;
+  static constexpr int smem(bool hopper) {
+    return hopper && tma ? tma_bytes : exchange_offset + exchange_bytes(hopper) + tile_slack(hopper);
+  }
   static_assert(smem(false) <= max_block_smem, "query-gradient tiles do not fit");
   static_assert(smem(true) <= hopper_max_block_smem, "query-gradient tiles do not fit (Hopper)");
   static_assert(threads / (D / 2) * D * 4 <= smem(false), "dz̄ scratch does not fit");
 };
 
-// Blocks of query_grad an SM is compiled for at D = 128 on the wgmma backend (elsewhere one at D = 128, two at
-// D = 64). Two need registers capped at 128 a thread (256 threads), with the 64 of the dKV accumulator live
-// throughout; shared memory allows two (2 × ~101 KiB of the 228 KiB). Measured on the H200 (wan2.1, bf16,
-// elu+1): two blocks spill 64-112 B a thread inside the tile loop (165 MB of local loads a call) and the
-// backward took 534 µs; one block, no spills, 520 µs. So one is the default (bench/NOTES-linear.md).
-#ifndef VSA_QUERY_GRAD_HOPPER_BLOCKS
-#define VSA_QUERY_GRAD_HOPPER_BLOCKS 1
+#if VSA_WGMMA
+// query_grad_kernel through the copy engine (Hopper code, where query_grad_shape::tma holds and the host could
+// encode the maps of Q, dO and dq). Thread 0 asks for each tile's Q and dO (three stages, one mbarrier each)
+// and sends each dq tile out with bulk tensor stores from one of two dq tiles, so that no warp spends
+// instructions on 16-byte copies. The row phase runs on every warpgroup: warp w of warpgroup h takes rows
+// 16w … 16w+15 of the tile and the columns 64h … 64h+63 of d1 (H = D/64 warpgroups: at D = 128 the split of
+// the cp.async loop, at D = 64 one warpgroup with whole rows, whose row sums then never leave the warp). Its
+// s = dO·KVnᵀ is issued first and runs on the matrix cores while φ(q) and m·dO are computed. Two block
+// barriers a tile (three in the cp.async loop): after the row sums (every warp is then done with tile c − 1,
+// whose stage is refilled with tile c + 2), and before the products that read A and dO.
+// Padding rows: a box is a whole tile and a padding slot may hold anything (NaN). A row of Q or dO feeds only
+// its own row's sums, s, dq and A until the products over tokens; there A and g are masked to 0 bit for bit
+// in rows at and past `valid`, and each warp zeroes its rows of dO past `valid` (of its panel) once every
+// warp's s is in. dq rows past `valid` are written 0 (the padding slots of a tiled tensor; in raster order
+// those rows lie past the sequence, where the store does not write).
+template <class E, int D, feature_map F>
+__device__ __forceinline__ void query_grad_tma(const query_grad_params& p, uint16_t* sm, const float* z, const float* m,
+                                               const float* sigma, int64_t slice, int64_t bh, int64_t b, int64_t h,
+                                               int64_t bhk, int64_t begin, int64_t end) {
+  using M = attention_mma<E, D>;
+  using L = band_layout<E, D>;
+  using S = query_grad_shape<E, D>;
+  constexpr int nthreads = L::threads;
+  constexpr int R = M::rows_per_lane, T = D / 64, H = T;
+  constexpr int K = S::row_sums, stages = S::tma_stages;
+  constexpr int pairs = D / 2, groups = nthreads / pairs, rows_per_group = 64 / groups;
+  static_assert(L::bands == 1 && L::warps == 4 * H, "warpgroup h takes panel h of d1, one 16-row band a warp");
+  static_assert(stages == 3 && S::dq_stages == 2, "the ring of three stages and the two dq tiles below");
+  static_assert(nthreads % pairs == 0 && 64 % groups == 0, "thread layout of dz̄");
+
+  const int tid = threadIdx.x, warp = tid / M::threads, lane = tid % M::threads;
+  const int half = warp / 4, col0 = half * 64, row0 = (warp % 4) * 16;
+  const auto skv = [&](int c) { return smem_tile<D>{sm + c * 64 * D}; };
+  // Stage s holds Q, then dO: stages 0 and 1 where the cp.async loop keeps its two, stage 2 after the exchange.
+  const auto stage = [&](int s) { return sm + (s == 2 ? S::tma_extra / 2 : (T + 2 * s) * 64 * D); };
+  const auto sdq = [&](int i) { return smem_tile<D>{sm + S::tma_extra / 2 + (2 + i) * 64 * D}; };
+  // xch[(h · K + k) · 64 + row]: row sum k over the columns of part h (H = 2; as in the cp.async loop), then g.
+  float* xch = reinterpret_cast<float*>(sm + S::exchange_offset / 2);
+  float* grow = xch + 2 * K * 64;
+
+  __shared__ __align__(8) uint64_t ready[stages];
+  tma::init_barriers(ready, stages, true, tid);
+  const auto load = [&](int64_t c, int s) {
+    tma::tile_pair{&ready[s], 0u}.load<D>(smem_tile<D>{stage(s)}, &p.q_map, smem_tile<D>{stage(s) + 64 * D}, &p.do_map,
+                                          c * 64, h, b);
+  };
+  if (tid == 0) {
+    if (begin < end) load(begin, 0);
+    if (begin + 1 < end) load(begin + 1, 1);
+  }
+#pragma unroll
+  for (int c = 0; c < T; ++c) copy_tile(skv(c), p.kvn + (bhk * D + c * 64) * D, D, 64, tid, nthreads);
+  copy_commit();
+  copy_wait<0>();  // KVn landed, fenced for wgmma's reads
+  __syncthreads(); // KVn and the factors complete for every thread
+
+  typename M::out_tile acc;
+#pragma unroll
+  for (int e = 0; e < M::out_elems; ++e) acc.x[e] = 0.f;
+  float zk[2] = {0.f, 0.f};
+  const int zpair = tid % pairs, zrow = (tid / pairs) * rows_per_group;
+
+  // The stages go round a counter, with the parity of the phase in which the barrier of the stage counts tile
+  // c; the dq tiles alternate.
+  int ring = 0;
+  uint32_t phase = 0;
+  for (int64_t c = begin; c < end; ++c) {
+    uint16_t* st = stage(ring);
+    const smem_tile<D> qt{st}, dot{st + 64 * D}, dqt = sdq(static_cast<int>((c - begin) & 1));
+    const int valid = p.seq.valid(c);
+    tma::wait(&ready[ring], phase);
+    __syncwarp(); // whole warps issue wgmma
+
+    typename M::score_tile s; // s[:, d1] of the part
+    M::nt_into(s, dot, skv(half));
+
+    float own[K][R]; // H = 1: the row sums stay in registers
+    const auto put = [&](int k, const float(&v)[R]) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        if constexpr (H == 2) {
+          if (M::row_leader()) xch[(half * K + k) * 64 + row0 + M::slot_row(r)] = v[r];
+        } else {
+          own[k][r] = v[r];
+        }
+      }
+    };
+    uint32_t a16[M::score_elems / 2]; // φ(q) of the part (softmax: its unnormalized exponentials), rounded to E
+    {
+      typename M::score_tile a[1];
+#pragma unroll
+      for (int e = 0; e < M::score_elems; e += 2) {
+        const uint32_t w = *reinterpret_cast<const uint32_t*>(qt.at(row0 + M::elem_row(e), col0 + M::elem_col(e)));
+        a[0].x[e] = E::to_float(static_cast<uint16_t>(w & 0xffffu));
+        a[0].x[e + 1] = E::to_float(static_cast<uint16_t>(w >> 16));
+      }
+      if constexpr (F == feature_map::softmax) {
+        float mx[R], sum[R];
+        softmax_part<E, D>(a[0], mx, sum);
+        put(3, mx);
+        put(4, sum);
+      } else {
+        feature_band<F, E, D, 1>(a);
+      }
+      float az[R];
+#pragma unroll
+      for (int r = 0; r < R; ++r) az[r] = 0.f;
+#pragma unroll
+      for (int e = 0; e < M::score_elems; e += 2) {
+        const float2 zc = column_pair(z, col0 + M::elem_col(e));
+        az[M::elem_slot(e)] += a[0].x[e] * zc.x + a[0].x[e + 1] * zc.y;
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r) az[r] = M::row_sum(az[r]);
+      put(0, az);
+#pragma unroll
+      for (int e = 0; e < M::score_elems; e += 2) a16[e / 2] = E::pack(a[0].x[e], a[0].x[e + 1]);
+    }
+    {
+      float mu[R];
+#pragma unroll
+      for (int r = 0; r < R; ++r) mu[r] = 0.f;
+#pragma unroll
+      for (int e = 0; e < M::score_elems; e += 2) {
+        const int col = col0 + M::elem_col(e);
+        const uint32_t w = *reinterpret_cast<const uint32_t*>(dot.at(row0 + M::elem_row(e), col));
+        const float2 mc = column_pair(m, col);
+        mu[M::elem_slot(e)] +=
+            mc.x * E::to_float(static_cast<uint16_t>(w & 0xffffu)) + mc.y * E::to_float(static_cast<uint16_t>(w >> 16));
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r) mu[r] = M::row_sum(mu[r]);
+      put(1, mu);
+    }
+    wgmma::wait<0>();
+    wgmma::pin(s.x);
+    {
+      float u[R];
+#pragma unroll
+      for (int r = 0; r < R; ++r) u[r] = 0.f;
+#pragma unroll
+      for (int e = 0; e < M::score_elems; e += 2) {
+        const float a0 = E::to_float(static_cast<uint16_t>(a16[e / 2] & 0xffffu));
+        const float a1 = E::to_float(static_cast<uint16_t>(a16[e / 2] >> 16));
+        const float2 sc = column_pair(sigma, col0 + M::elem_col(e));
+        u[M::elem_slot(e)] += a0 * sc.x * s.x[e] + a1 * sc.y * s.x[e + 1];
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r) u[r] = M::row_sum(u[r]);
+      put(2, u);
+    }
+    // dq tile c mod 2 was last read by the store of tile c − 2, which must be done with it before the barrier
+    // below lets any warp write it.
+    if (tid == 0) tma::store_wait_read<S::dq_stages - 1>();
+    __syncthreads(); // both parts' row sums are in xch; every warp is done with tile c − 1 and its stage
+    if (tid == 0 && c + 2 < end) load(c + 2, ring == 0 ? stages - 1 : ring - 1);
+
+    // The row factors, as in the cp.async loop (both warpgroups combine both parts in part order, bit for bit
+    // the same values).
+    float inv_den[R], gk[R], inner[R], fa[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float az, u, mu;
+      if constexpr (H == 2) {
+        const float* x0 = xch + row0 + M::slot_row(r);
+        const float* x1 = x0 + K * 64;
+        if constexpr (F == feature_map::softmax) {
+          const float mx = fmaxf(x0[3 * 64], x1[3 * 64]);
+          const float w0 = fast_exp2(x0[3 * 64] - mx), w1 = fast_exp2(x1[3 * 64] - mx);
+          const float inv_sum = 1.f / (x0[4 * 64] * w0 + x1[4 * 64] * w1);
+          const float f0 = w0 * inv_sum, f1 = w1 * inv_sum; // each part's exponentials → φ(q)
+          az = f0 * x0[0] + f1 * x1[0];
+          u = f0 * x0[2 * 64] + f1 * x1[2 * 64];
+          fa[r] = half ? f1 : f0;
+        } else {
+          az = x0[0] + x1[0];
+          u = x0[2 * 64] + x1[2 * 64];
+          fa[r] = 1.f;
+        }
+        mu = x0[64] + x1[64];
+      } else {
+        if constexpr (F == feature_map::softmax) {
+          fa[r] = 1.f / own[4][r];
+          az = fa[r] * own[0][r];
+          u = fa[r] * own[2][r];
+        } else {
+          az = own[0][r];
+          u = own[2][r];
+          fa[r] = 1.f;
+        }
+        mu = own[1][r];
+      }
+      inv_den[r] = 1.f / (az + p.eps);
+      u *= inv_den[r];
+      gk[r] = mu * p.eps * inv_den[r] - u;
+      inner[r] = u + gk[r] * az * inv_den[r];
+    }
+    // dq of the part into its dq tile, and A = φ(q) z / den in place of the warp's Q, both 0 bit for bit in
+    // rows at and past `valid` (whatever the copy brought there).
+    uint32_t keep[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) keep[r] = row0 + M::slot_row(r) < valid ? ~0u : 0u;
+#pragma unroll
+    for (int e = 0; e < M::score_elems; e += 2) {
+      const int row = row0 + M::elem_row(e), col = col0 + M::elem_col(e), sl = M::elem_slot(e);
+      const float2 sc = column_pair(sigma, col), zc = column_pair(z, col);
+      float a[2], g[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        a[i] = E::to_float(static_cast<uint16_t>(a16[e / 2] >> (16 * i)));
+        if constexpr (F == feature_map::softmax) a[i] *= fa[sl];
+        const float da = ((i ? sc.y : sc.x) * s.x[e + i] + (i ? zc.y : zc.x) * gk[sl]) * inv_den[sl];
+        if constexpr (F == feature_map::softmax)
+          g[i] = a[i] * (da - inner[sl]);
+        else if constexpr (F == feature_map::elu1)
+          g[i] = da * fminf(a[i], 1.f);
+        else
+          g[i] = a[i] > 0.f ? da : 0.f;
+      }
+      *reinterpret_cast<uint32_t*>(dqt.at(row, col)) = E::pack(g[0], g[1]) & keep[sl];
+      *reinterpret_cast<uint32_t*>(qt.at(row, col)) =
+          E::pack(a[0] * zc.x * inv_den[sl], a[1] * zc.y * inv_den[sl]) & keep[sl];
+    }
+    // dO's rows past `valid` in this warp's rows and panel, as copy_tile's zero-fill leaves them: tn sums over
+    // the tile's rows, and a zero of A times a NaN there would be NaN. Every warp's s has read them (the
+    // barrier above).
+    if (row0 + 16 > valid) {
+      constexpr int pc = smem_layout::panel_cols / 8; // 16-byte chunks of a panel row
+      for (int x = lane; x < 16 * pc; x += M::threads) {
+        const int r = row0 + x / pc;
+        if (r >= valid) *reinterpret_cast<uint4*>(dot.chunk(r, half * pc + x % pc)) = make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+    if (half == 0) { // g of each row, for dz̄ (every warpgroup holds the same values)
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int row = row0 + M::slot_row(r);
+        if (M::row_leader()) grow[row] = row < valid ? gk[r] : 0.f;
+      }
+    }
+    stores_to_matrix_fence(); // dq, A and dO's zeros are read by the copy engine and by wgmma
+    __syncthreads();
+
+    // dKV[d1 band] += Aᵀ[d1 band, tokens] · dO[tokens, D] on the matrix cores while dz̄ is summed by columns, and
+    // the tile's dq goes out.
+    M::tn_async(acc, qt, half, dot);
+    if (tid == 0) tma::store_tile<D>(&p.dq_map, dqt, c * 64, h, b);
+    __syncwarp();
+#pragma unroll
+    for (int r = 0; r < rows_per_group; ++r) {
+      const float g = grow[zrow + r];
+      const uint32_t w = *reinterpret_cast<const uint32_t*>(qt.at(zrow + r, 2 * zpair));
+      zk[0] += E::to_float(static_cast<uint16_t>(w & 0xffffu)) * g;
+      zk[1] += E::to_float(static_cast<uint16_t>(w >> 16)) * g;
+    }
+    stores_to_matrix_fence(); // orders this thread's reads of the stage before the copy engine refills it
+    wgmma::wait<0>();
+    wgmma::pin(acc.x);
+    if (++ring == stages) ring = 0, phase ^= 1u;
+  }
+
+  // The records, as the cp.async loop writes them.
+  float* rec = p.partial + (slice * p.heads_total + bh) * record<D>::floats;
+#pragma unroll
+  for (int e = 0; e < M::out_elems; e += 2)
+    *reinterpret_cast<float2*>(rec + (16 * warp + M::elem_row(e)) * D + M::elem_col(e)) =
+        make_float2(acc.x[e], acc.x[e + 1]);
+  __syncthreads(); // every product has read KVn, whose tile now takes the partial column sums of dz̄
+  float* red = reinterpret_cast<float*>(sm);
+  const int group = tid / pairs;
+  red[group * D + 2 * zpair] = zk[0];
+  red[group * D + 2 * zpair + 1] = zk[1];
+  __syncthreads();
+  if (tid < D) {
+    float total = 0.f;
+    for (int g = 0; g < groups; ++g) total += red[g * D + tid];
+    rec[record<D>::first + tid] = total;
+  }
+  if (tid == 0) tma::store_wait<0>(); // the block's shared memory must outlast the last stores
+}
 #endif
-constexpr int query_grad_hopper_blocks = VSA_QUERY_GRAD_HOPPER_BLOCKS;
 
 // Per 64-token tile. The first four warps take 16 rows each: dq_i = φ'(q_i)ᵀ da_i with (module comment;
 // s = KVn · dO_i, u_i = dO_i · ô_i, ô_i = φ(q_i)·KV̄ / den_i, μ_i = m · dO_i, g_i = μ_i eps / den_i − u_i)
@@ -1014,10 +1316,11 @@ constexpr int query_grad_hopper_blocks = VSA_QUERY_GRAD_HOPPER_BLOCKS;
 // maximum and sum, combined as in a streaming softmax) are exchanged through shared memory across one
 // barrier, and each warpgroup then finishes dq and A for its columns. Otherwise four warps would work here
 // while the other four wait, one warp a scheduler with every latency exposed, and each would need the
-// registers of a whole row.
+// registers of a whole row. On Hopper with the maps of Q, dO and dq, query_grad_tma (above) runs the tiles
+// instead, through the copy engine; the loop below is the fallback, and the code of every other target.
 template <class E, int D, feature_map F> __global__ void
 VSA_LINEAR_BOUNDS((band_layout<E, D>::threads), (D == 128 ? (layer_tn ? query_grad_hopper_blocks : 1) : 2))
-    query_grad_kernel(query_grad_params p) {
+    query_grad_kernel(const VSA_GRID_CONSTANT query_grad_params p) {
   using M = attention_mma<E, D>;
   using L = band_layout<E, D>;
   constexpr int nthreads = L::threads;
@@ -1057,6 +1360,15 @@ VSA_LINEAR_BOUNDS((band_layout<E, D>::threads), (D == 128 ? (layer_tn ? query_gr
   }
   const float *z = vec, *m = vec + D, *sigma = vec + 2 * D;
   float* rows = p.rows + static_cast<int64_t>(blockIdx.x) * 64;
+
+#if VSA_WGMMA
+  if constexpr (query_grad_shape<E, D>::tma) {
+    if (p.tma != 0) {
+      query_grad_tma<E, D, F>(p, sm, z, m, sigma, slice, bh, b, h, bhk, begin, end);
+      return;
+    }
+  }
+#endif
 
   const auto load = [&](int64_t c, int buf) {
     const int valid = p.seq.valid(c);
@@ -1429,37 +1741,40 @@ struct grad_reduce_params {
   grad_view grad;
 };
 
+// One block per (kv head, row d1 of the gradient), one thread per column d2: the block adds its row of the
+// records of every q head of the group and every slice, in that order (q head, then slice), as grad_reduce
+// always has. The slice loop is unrolled, so that the loads of several records are in flight at once while the
+// additions keep their order; with four rows a block and one load in flight a thread the kernel was bound by
+// the latency of its loads (25 µs on wan2.1 for ~9 MB of records, 12% of issue slots used), as state_reduce
+// was.
 template <class E, int D> __global__ void __launch_bounds__(D) grad_reduce_kernel(grad_reduce_params p) {
   __shared__ float scratch[D / warp_size > 0 ? D / warp_size : 1];
-  constexpr int blocks_per_head = D / reduce_rows;
   const int t = threadIdx.x;
-  const int64_t bhk = blockIdx.x / blocks_per_head;
-  const int r0 = static_cast<int>(blockIdx.x % blocks_per_head) * reduce_rows;
+  const int64_t bhk = blockIdx.x / D;
+  const int d1 = static_cast<int>(blockIdx.x % D);
   const int64_t b = bhk / p.kv_heads, hk = bhk % p.kv_heads;
   const int64_t step = p.heads_total * record<D>::floats;
   const float* z = p.state_vec + bhk * 3 * D;
   float* vec = p.grad.vec + bhk * 2 * D;
-#pragma unroll 1
-  for (int r = 0; r < reduce_rows; ++r) {
-    const int d1 = r0 + r;
-    float dkv = 0.f, dz = 0.f;
-    for (int64_t g = 0; g < p.group; ++g) {
-      const float* base = p.partial + (b * p.q_heads + hk * p.group + g) * record<D>::floats;
-      for (int64_t s = 0; s < p.slices; ++s) {
-        dkv += base[s * step + d1 * D + t];
-        dz += base[s * step + record<D>::first + d1];
-      }
+  float dkv = 0.f, dz = 0.f;
+  for (int64_t g = 0; g < p.group; ++g) {
+    const float* base = p.partial + (b * p.q_heads + hk * p.group + g) * record<D>::floats;
+#pragma unroll 8
+    for (int64_t s = 0; s < p.slices; ++s) {
+      const float* r = base + s * step;
+      dkv += r[d1 * D + t];
+      dz += r[record<D>::first + d1];
     }
-    // A channel that no key reaches (z = 0: relu only) has φ(k_j)[d1] = 0 and φ'(k_j)[d1] = 0 for every key,
-    // so its row of the gradient is never used; it is stored as 0.
-    const float unscale = z[d1] > 0.f ? 1.f / z[d1] : 0.f;
-    dkv *= unscale;
-    const float sigma = block_max<D>(fabsf(dkv), scratch);
-    p.grad.kvn[(bhk * D + d1) * D + t] = E::from_float(sigma > 0.f ? dkv / sigma : 0.f);
-    if (t == 0) {
-      vec[d1] = dz * unscale;
-      vec[D + d1] = sigma;
-    }
+  }
+  // A channel that no key reaches (z = 0: relu only) has φ(k_j)[d1] = 0 and φ'(k_j)[d1] = 0 for every key, so
+  // its row of the gradient is never used; it is stored as 0.
+  const float unscale = z[d1] > 0.f ? 1.f / z[d1] : 0.f;
+  dkv *= unscale;
+  const float sigma = block_max<D>(fabsf(dkv), scratch);
+  p.grad.kvn[(bhk * D + d1) * D + t] = E::from_float(sigma > 0.f ? dkv / sigma : 0.f);
+  if (t == 0) {
+    vec[d1] = dz * unscale;
+    vec[D + d1] = sigma;
   }
 }
 
