@@ -109,6 +109,35 @@ void linear_backward(benchmark::State& state, const shape& s, feature_map phi) {
   state.counters["workspace_MB"] = double(bytes) * 1e-6;
 }
 
+// The backward given the state its forward kept (linear_state): no pass over k and v for the state.
+void linear_backward_saved(benchmark::State& state, const shape& s, feature_map phi) {
+  inputs in(s);
+  const auto q = as_const(in.view(in.q, in.p.q_heads)), k = as_const(in.view(in.k, in.p.kv_heads)),
+             v = as_const(in.view(in.v, in.p.kv_heads)), d_o = as_const(in.view(in.d_o, in.p.q_heads));
+  const tensor o = in.view(in.o, in.p.q_heads), dq = in.view(in.dq, in.p.q_heads), dk = in.view(in.dk, in.p.kv_heads),
+               dv = in.view(in.dv, in.p.kv_heads);
+  const std::size_t state_bytes = linear_state_bytes(in.p);
+  buffer saved(state_bytes);
+  const linear_state kept{saved.get(), state_bytes};
+  std::size_t fwd = 0, bytes = 0;
+  check(linear_attention_forward(in.p, phi, eps, token_order::tiled, q, k, v, o, kept, nullptr, fwd, nullptr),
+        "forward workspace size");
+  check(linear_attention_backward(in.p, phi, eps, token_order::tiled, q, k, v, d_o, dq, dk, dv, kept, nullptr, bytes,
+                                  nullptr),
+        "workspace size");
+  buffer ws(std::max(fwd, bytes));
+  check(linear_attention_forward(in.p, phi, eps, token_order::tiled, q, k, v, o, kept, ws.get(), fwd, nullptr),
+        "linear forward");
+  time_on_stream(state, nullptr, [&] {
+    check(linear_attention_backward(in.p, phi, eps, token_order::tiled, q, k, v, d_o, dq, dk, dv, kept, ws.get(), bytes,
+                                    nullptr),
+          "linear backward");
+  });
+  report(state, 3 * in.tensor_bytes(in.p.q_heads) + 4 * in.tensor_bytes(in.p.kv_heads));
+  state.counters["workspace_MB"] = double(bytes) * 1e-6;
+  state.counters["state_MB"] = double(state_bytes) * 1e-6;
+}
+
 void copy_bandwidth(benchmark::State& state) {
   const std::size_t bytes = std::size_t(1) << 31;
   buffer a(bytes), b(bytes);
@@ -127,6 +156,9 @@ const bool registered = [] {
           ->UseManualTime()
           ->Unit(benchmark::kMicrosecond);
       benchmark::RegisterBenchmark(("linear_backward/" + n).c_str(), linear_backward, s, m.second)
+          ->UseManualTime()
+          ->Unit(benchmark::kMicrosecond);
+      benchmark::RegisterBenchmark(("linear_backward_saved/" + n).c_str(), linear_backward_saved, s, m.second)
           ->UseManualTime()
           ->Unit(benchmark::kMicrosecond);
     }

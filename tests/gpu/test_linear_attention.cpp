@@ -2,7 +2,8 @@
 // map: tiled order with partial tiles (padding slots of the inputs hold NaN, so any read of them shows) and
 // raster order with a short last block of 64, batch > 1, GQA, both layouts, bf16 and fp16, head dims 64 and
 // 128. Outputs are poisoned before every call and checked fully written, canaries intact, padding slots 0,
-// and each call is run twice and compared bit for bit.
+// and each call is run twice and compared bit for bit; a forward that keeps its state and a backward that
+// takes it give the same bits as the calls without.
 #include "support/gpu.hpp"
 #include "support/host.hpp"
 
@@ -139,6 +140,27 @@ void check_feature(const config& c, feature_map phi) {
     else
       CHECK(first == bytes_of(o));
   }
+  // The forward that also keeps its state for the backward: the same output, bit for bit.
+  const std::size_t state_bytes = linear_state_bytes(p);
+  REQUIRE(state_bytes > 0);
+  device_buffer saved(state_bytes);
+  saved.poison();
+  {
+    device_buffer ws(bytes);
+    ws.poison();
+    device_tensor o(o_ref, poisoned);
+    const status st =
+        linear_attention_forward(p, phi, c.eps, c.tokens, q_d.cview(), k_d.cview(), v_d.cview(), o.view(),
+                                 linear_state{saved.get(), state_bytes}, ws.get(), bytes, gpu::stream_t{});
+    INFO(st.message());
+    REQUIRE(st.is_ok());
+    VSA_REQUIRE_RT(gpu_sync());
+    CHECK(o.all_written());
+    CHECK(o.canaries_intact());
+    CHECK(ws.canaries_intact());
+    CHECK(saved.canaries_intact());
+    CHECK(first == bytes_of(o));
+  }
 
   // Backward.
   host_tensor dq_ref(c.type, c.batch, tokens, p.q_heads, c.head_dim, c.order),
@@ -189,6 +211,30 @@ void check_feature(const config& c, feature_map phi) {
       CHECK(first_dk == bytes_of(dk));
       CHECK(first_dv == bytes_of(dv));
     }
+  }
+  // The backward that takes the forward's state instead of recomputing it: the same gradients, bit for bit. The
+  // workspace's own state stays poisoned, so a read of it instead of the kept state would show.
+  {
+    device_buffer ws(bytes);
+    ws.poison();
+    device_tensor dq(dq_ref, poisoned), dk(dk_ref, poisoned), dv(dv_ref, poisoned);
+    const status st = linear_attention_backward(
+        p, phi, c.eps, c.tokens, q_d.cview(), k_d.cview(), v_d.cview(), d_o_d.cview(), dq.view(), dk.view(), dv.view(),
+        linear_state{saved.get(), state_bytes}, ws.get(), bytes, gpu::stream_t{});
+    INFO(st.message());
+    REQUIRE(st.is_ok());
+    VSA_REQUIRE_RT(gpu_sync());
+    CHECK(dq.all_written());
+    CHECK(dk.all_written());
+    CHECK(dv.all_written());
+    CHECK(dq.canaries_intact());
+    CHECK(dk.canaries_intact());
+    CHECK(dv.canaries_intact());
+    CHECK(ws.canaries_intact());
+    CHECK(saved.canaries_intact());
+    CHECK(first_dq == bytes_of(dq));
+    CHECK(first_dk == bytes_of(dk));
+    CHECK(first_dv == bytes_of(dv));
   }
 }
 
@@ -256,6 +302,16 @@ TEST_CASE("linear attention rejects bad arguments", "[gpu][linear]") {
     CHECK(forward(p, feature_map::elu1, 1e-3f, c.tokens, q_d.cview(), k_d.cview(), o.view(), ws.get(), bytes - 1)
               .code() == errc::bad_workspace);
   }
+  // A kept state too small or misaligned.
+  const std::size_t state_bytes = linear_state_bytes(p);
+  device_buffer saved(state_bytes + 256);
+  CHECK(linear_attention_forward(p, feature_map::elu1, 1e-3f, c.tokens, q_d.cview(), k_d.cview(), k_d.cview(), o.view(),
+                                 linear_state{saved.get(), state_bytes - 1}, ws.get(), bytes, gpu::stream_t{})
+            .code() == errc::bad_workspace);
+  CHECK(linear_attention_forward(p, feature_map::elu1, 1e-3f, c.tokens, q_d.cview(), k_d.cview(), k_d.cview(), o.view(),
+                                 linear_state{static_cast<unsigned char*>(saved.get()) + 16, state_bytes}, ws.get(),
+                                 bytes, gpu::stream_t{})
+            .code() == errc::misaligned_pointer);
   VSA_REQUIRE_RT(gpu_sync());
   // Nothing was written by any rejected call.
   CHECK(o.poisoned_elements() == o_shape.elements());

@@ -184,7 +184,7 @@ bool encode_map(tma_map& map, const Tensor& t, const problem& p, int64_t tokens,
 
 template <class E, int D, feature_map F> status run_state(const problem& p, const plan& w, const sequence& seq,
                                                           const_tensor k, const_tensor v, void* workspace,
-                                                          stream_t stream) {
+                                                          state_view state, stream_t stream) {
   state_params sp{};
   sp.k = make_operand(k);
   sp.v = make_operand(v);
@@ -209,19 +209,66 @@ template <class E, int D, feature_map F> status run_state(const problem& p, cons
   rp.slices = w.slices_state;
   rp.heads_total = w.heads_kv;
   rp.inv_count = static_cast<float>(1.0 / static_cast<double>(tile_geometry(p.grid).raster_tokens()));
-  rp.state = {w.at<uint16_t>(workspace, w.state_kvn), w.at<float>(workspace, w.state_vec)};
+  rp.state = state;
   state_reduce_kernel<E, D><<<static_cast<unsigned>(w.heads_kv * D), D, 0, stream>>>(rp);
   return launch_status("linear attention (state reduction)");
+}
+
+// Where a call's state lives: in the caller's linear_state where one is given (KVn of every head, then z, m, σ
+// of every head), otherwise in the workspace.
+inline std::size_t state_matrix_bytes(const problem& p) {
+  return round_up(static_cast<std::size_t>(p.batch * p.kv_heads * p.head_dim * p.head_dim) * 2);
+}
+inline state_view state_in(const plan& w, void* workspace, void* saved, const problem& p) {
+  if (saved != nullptr)
+    return {static_cast<uint16_t*>(saved),
+            reinterpret_cast<float*>(static_cast<unsigned char*>(saved) + state_matrix_bytes(p))};
+  return {w.at<uint16_t>(workspace, w.state_kvn), w.at<float>(workspace, w.state_vec)};
 }
 
 } // namespace linear
 } // namespace detail
 } // namespace gpu
 
+// The state of a call: per batch and kv head the D × D matrix KVn (16-bit) and the vectors z, m, σ (fp32), as
+// detail/linear_attention_kernels.hpp describes them. linear_attention_forward can leave it in a buffer of the
+// caller's (linear_state_bytes(p) bytes, 256-byte aligned; 0.4 MB for wan2.1), and linear_attention_backward
+// can take it from there instead of recomputing it from k and v: one pass over k and v and two kernels fewer,
+// and the same gradients bit for bit. The buffer must hold the state of a forward of the same problem, feature
+// map, order, k and v, run on the same device (the slices of its sums depend on the device); nothing can
+// check that. data == nullptr: the forward keeps no state, the backward recomputes it.
+struct linear_state {
+  void* data = nullptr;
+  std::size_t bytes = 0;
+};
+
+inline std::size_t linear_state_bytes(const problem& p) {
+  if (p.batch < 1 || p.kv_heads < 1 || p.head_dim < 1) return 0;
+  return gpu::detail::linear::state_matrix_bytes(p) +
+         gpu::detail::linear::round_up(static_cast<std::size_t>(p.batch * p.kv_heads * 3 * p.head_dim) * sizeof(float));
+}
+
+namespace gpu {
+namespace detail {
+namespace linear {
+inline status check_state(const linear_state& state, const problem& p) {
+  if (state.data == nullptr) return status::ok();
+  if (reinterpret_cast<std::uintptr_t>(state.data) % 256 != 0)
+    return status::error(errc::misaligned_pointer, "state: must be 256-byte aligned");
+  const std::size_t needed = linear_state_bytes(p);
+  if (state.bytes < needed)
+    return status::error(errc::bad_workspace, "state: %zu bytes given, %zu needed", state.bytes, needed);
+  return status::ok();
+}
+} // namespace linear
+} // namespace detail
+} // namespace gpu
+
 // o_l [B, S, Hq, D]: the linear-attention branch of q [B, S, Hq, D] over k, v [B, S, Hkv, D]. S = N·64
-// (tiled order; padding slots are excluded and written 0) or T·H·W (raster order). eps >= 0.
+// (tiled order; padding slots are excluded and written 0) or T·H·W (raster order). eps >= 0. Where
+// state.data is set, the call's state is also left there for the backward (linear_state).
 inline status linear_attention_forward(const problem& p, feature_map phi, float eps, token_order order, const_tensor q,
-                                       const_tensor k, const_tensor v, tensor o_l, void* workspace,
+                                       const_tensor k, const_tensor v, tensor o_l, linear_state state, void* workspace,
                                        std::size_t& workspace_bytes, gpu::stream_t stream) {
   namespace gl = gpu::detail::linear;
   status s = gl::check_arguments(p, phi, eps, order);
@@ -244,10 +291,12 @@ inline status linear_attention_forward(const problem& p, feature_map phi, float 
     if (st) st = check_tensor("v", v, p, p.kv_heads, tokens, target::gpu);
     if (st) st = check_tensor("o_l", o_l, p, p.q_heads, tokens, target::gpu);
     if (st) st = check_workspace(workspace, workspace_bytes, w.bytes);
+    if (st) st = gl::check_state(state, p);
     if (!st) return st;
 
     const gl::sequence seq = gl::make_sequence(p, order);
-    st = gl::run_state<E, D, F>(p, w, seq, k, v, workspace, stream);
+    const gl::state_view sv = gl::state_in(w, workspace, state.data, p);
+    st = gl::run_state<E, D, F>(p, w, seq, k, v, workspace, sv, stream);
     if (!st) return st;
     gl::apply_params ap{};
     ap.q = gpu::detail::make_operand(q);
@@ -256,8 +305,8 @@ inline status linear_attention_forward(const problem& p, feature_map phi, float 
     ap.q_heads = p.q_heads;
     ap.group = p.q_heads / p.kv_heads;
     ap.slices = w.slices_apply;
-    ap.kvn = w.at<uint16_t>(workspace, w.state_kvn);
-    ap.vec = w.at<float>(workspace, w.state_vec);
+    ap.kvn = sv.kvn;
+    ap.vec = sv.vec;
     ap.eps = eps;
     // On Hopper Q and O go through the copy engine where both maps encode (hopper_tma.hpp).
     ap.tma = 0;
@@ -270,11 +319,18 @@ inline status linear_attention_forward(const problem& p, feature_map phi, float 
   });
 }
 
+inline status linear_attention_forward(const problem& p, feature_map phi, float eps, token_order order, const_tensor q,
+                                       const_tensor k, const_tensor v, tensor o_l, void* workspace,
+                                       std::size_t& workspace_bytes, gpu::stream_t stream) {
+  return linear_attention_forward(p, phi, eps, order, q, k, v, o_l, linear_state{}, workspace, workspace_bytes, stream);
+}
+
 // dq [B, S, Hq, D], dk and dv [B, S, Hkv, D] of linear_attention_forward given d_o = dL/do_l (same order
-// and layout rules; dk and dv sum over the q heads of each group). The state is recomputed from k and v.
+// and layout rules; dk and dv sum over the q heads of each group). The state is taken from `state` where
+// state.data is set (linear_state), otherwise recomputed from k and v.
 inline status linear_attention_backward(const problem& p, feature_map phi, float eps, token_order order, const_tensor q,
                                         const_tensor k, const_tensor v, const_tensor d_o, tensor dq, tensor dk,
-                                        tensor dv, void* workspace, std::size_t& workspace_bytes,
+                                        tensor dv, linear_state state, void* workspace, std::size_t& workspace_bytes,
                                         gpu::stream_t stream) {
   namespace gl = gpu::detail::linear;
   status s = gl::check_arguments(p, phi, eps, order);
@@ -300,11 +356,15 @@ inline status linear_attention_backward(const problem& p, feature_map phi, float
     if (st) st = check_tensor("dk", dk, p, p.kv_heads, tokens, target::gpu);
     if (st) st = check_tensor("dv", dv, p, p.kv_heads, tokens, target::gpu);
     if (st) st = check_workspace(workspace, workspace_bytes, w.bytes);
+    if (st) st = gl::check_state(state, p);
     if (!st) return st;
 
     const gl::sequence seq = gl::make_sequence(p, order);
-    st = gl::run_state<E, D, F>(p, w, seq, k, v, workspace, stream);
-    if (!st) return st;
+    const gl::state_view sv = gl::state_in(w, workspace, state.data, p);
+    if (state.data == nullptr) {
+      st = gl::run_state<E, D, F>(p, w, seq, k, v, workspace, sv, stream);
+      if (!st) return st;
+    }
 
     gl::query_grad_params qp{};
     qp.q = gpu::detail::make_operand(q);
@@ -315,8 +375,8 @@ inline status linear_attention_backward(const problem& p, feature_map phi, float
     qp.group = p.q_heads / p.kv_heads;
     qp.slices = w.slices_query;
     qp.heads_total = w.heads_q;
-    qp.kvn = w.at<uint16_t>(workspace, w.state_kvn);
-    qp.vec = w.at<float>(workspace, w.state_vec);
+    qp.kvn = sv.kvn;
+    qp.vec = sv.vec;
     qp.eps = eps;
     qp.partial = w.at<float>(workspace, w.partial);
     qp.rows = w.at<float>(workspace, w.rows);
@@ -371,6 +431,14 @@ inline status linear_attention_backward(const problem& p, feature_map phi, float
                                    gl::key_grad_shape<E, D>::smem(w.hopper), stream>>>(kp);
     return gpu::launch_status("linear attention backward (key side)");
   });
+}
+
+inline status linear_attention_backward(const problem& p, feature_map phi, float eps, token_order order, const_tensor q,
+                                        const_tensor k, const_tensor v, const_tensor d_o, tensor dq, tensor dk,
+                                        tensor dv, void* workspace, std::size_t& workspace_bytes,
+                                        gpu::stream_t stream) {
+  return linear_attention_backward(p, phi, eps, order, q, k, v, d_o, dq, dk, dv, linear_state{}, workspace,
+                                   workspace_bytes, stream);
 }
 
 } // namespace vsa
