@@ -118,13 +118,22 @@ void check_feature(const config& c, feature_map phi) {
     INFO(st.message());
     REQUIRE(st.is_ok());
   }
+  // Three runs: the second must give the first's bits, and so must the third, which also keeps the state for the
+  // backward.
+  const std::size_t state_bytes = linear_state_bytes(p);
+  REQUIRE(state_bytes > 0);
+  device_buffer saved(state_bytes);
+  saved.poison();
+  const linear_state kept{saved.get(), state_bytes};
   std::vector<unsigned char> first;
-  for (int run = 0; run < 2; ++run) {
+  for (int run = 0; run < 3; ++run) {
     device_buffer ws(bytes);
     ws.poison();
     device_tensor o(o_ref, poisoned);
-    const status st = linear_attention_forward(p, phi, c.eps, c.tokens, q_d.cview(), k_d.cview(), v_d.cview(), o.view(),
-                                               ws.get(), bytes, gpu::stream_t{});
+    const status st = run < 2 ? linear_attention_forward(p, phi, c.eps, c.tokens, q_d.cview(), k_d.cview(), v_d.cview(),
+                                                         o.view(), ws.get(), bytes, gpu::stream_t{})
+                              : linear_attention_forward(p, phi, c.eps, c.tokens, q_d.cview(), k_d.cview(), v_d.cview(),
+                                                         o.view(), kept, ws.get(), bytes, gpu::stream_t{});
     INFO(st.message());
     REQUIRE(st.is_ok());
     VSA_REQUIRE_RT(gpu_sync());
@@ -140,27 +149,7 @@ void check_feature(const config& c, feature_map phi) {
     else
       CHECK(first == bytes_of(o));
   }
-  // The forward that also keeps its state for the backward: the same output, bit for bit.
-  const std::size_t state_bytes = linear_state_bytes(p);
-  REQUIRE(state_bytes > 0);
-  device_buffer saved(state_bytes);
-  saved.poison();
-  {
-    device_buffer ws(bytes);
-    ws.poison();
-    device_tensor o(o_ref, poisoned);
-    const status st =
-        linear_attention_forward(p, phi, c.eps, c.tokens, q_d.cview(), k_d.cview(), v_d.cview(), o.view(),
-                                 linear_state{saved.get(), state_bytes}, ws.get(), bytes, gpu::stream_t{});
-    INFO(st.message());
-    REQUIRE(st.is_ok());
-    VSA_REQUIRE_RT(gpu_sync());
-    CHECK(o.all_written());
-    CHECK(o.canaries_intact());
-    CHECK(ws.canaries_intact());
-    CHECK(saved.canaries_intact());
-    CHECK(first == bytes_of(o));
-  }
+  CHECK(saved.canaries_intact());
 
   // Backward.
   host_tensor dq_ref(c.type, c.batch, tokens, p.q_heads, c.head_dim, c.order),
@@ -176,14 +165,19 @@ void check_feature(const config& c, feature_map phi) {
     INFO(st.message());
     REQUIRE(st.is_ok());
   }
+  // Three runs again, the third taking the kept state instead of recomputing it. Its workspace's own state stays
+  // poisoned, so a read of that instead of the kept one would show.
   std::vector<unsigned char> first_dq, first_dk, first_dv;
-  for (int run = 0; run < 2; ++run) {
+  for (int run = 0; run < 3; ++run) {
     device_buffer ws(bytes);
     ws.poison();
     device_tensor dq(dq_ref, poisoned), dk(dk_ref, poisoned), dv(dv_ref, poisoned);
     const status st =
-        linear_attention_backward(p, phi, c.eps, c.tokens, q_d.cview(), k_d.cview(), v_d.cview(), d_o_d.cview(),
-                                  dq.view(), dk.view(), dv.view(), ws.get(), bytes, gpu::stream_t{});
+        run < 2
+            ? linear_attention_backward(p, phi, c.eps, c.tokens, q_d.cview(), k_d.cview(), v_d.cview(), d_o_d.cview(),
+                                        dq.view(), dk.view(), dv.view(), ws.get(), bytes, gpu::stream_t{})
+            : linear_attention_backward(p, phi, c.eps, c.tokens, q_d.cview(), k_d.cview(), v_d.cview(), d_o_d.cview(),
+                                        dq.view(), dk.view(), dv.view(), kept, ws.get(), bytes, gpu::stream_t{});
     INFO(st.message());
     REQUIRE(st.is_ok());
     VSA_REQUIRE_RT(gpu_sync());
@@ -212,30 +206,7 @@ void check_feature(const config& c, feature_map phi) {
       CHECK(first_dv == bytes_of(dv));
     }
   }
-  // The backward that takes the forward's state instead of recomputing it: the same gradients, bit for bit. The
-  // workspace's own state stays poisoned, so a read of it instead of the kept state would show.
-  {
-    device_buffer ws(bytes);
-    ws.poison();
-    device_tensor dq(dq_ref, poisoned), dk(dk_ref, poisoned), dv(dv_ref, poisoned);
-    const status st = linear_attention_backward(
-        p, phi, c.eps, c.tokens, q_d.cview(), k_d.cview(), v_d.cview(), d_o_d.cview(), dq.view(), dk.view(), dv.view(),
-        linear_state{saved.get(), state_bytes}, ws.get(), bytes, gpu::stream_t{});
-    INFO(st.message());
-    REQUIRE(st.is_ok());
-    VSA_REQUIRE_RT(gpu_sync());
-    CHECK(dq.all_written());
-    CHECK(dk.all_written());
-    CHECK(dv.all_written());
-    CHECK(dq.canaries_intact());
-    CHECK(dk.canaries_intact());
-    CHECK(dv.canaries_intact());
-    CHECK(ws.canaries_intact());
-    CHECK(saved.canaries_intact());
-    CHECK(first_dq == bytes_of(dq));
-    CHECK(first_dk == bytes_of(dk));
-    CHECK(first_dv == bytes_of(dv));
-  }
+  CHECK(saved.canaries_intact());
 }
 
 TEST_CASE("linear attention matches the reference", "[gpu][linear]") {

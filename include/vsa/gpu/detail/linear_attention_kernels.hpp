@@ -1049,6 +1049,124 @@ template <class E, int D> struct query_grad_shape {
   static_assert(threads / (D / 2) * D * 4 <= smem(false), "dz̄ scratch does not fit");
 };
 
+// dz̄ of a block: thread tid holds the partial sums of column pair tid % pairs over its row group tid / pairs;
+// they meet in `red` (groups · D floats of shared memory that no thread reads any more) and are added in group
+// order into out[0 … D).
+template <int D> __device__ __forceinline__ void add_column_groups(float* red, const float (&zk)[2], int tid, int pairs,
+                                                                   int groups, float* out) {
+  const int group = tid / pairs, zpair = tid % pairs;
+  red[group * D + 2 * zpair] = zk[0];
+  red[group * D + 2 * zpair + 1] = zk[1];
+  __syncthreads();
+  if (tid < D) {
+    float total = 0.f;
+    for (int g = 0; g < groups; ++g) total += red[g * D + tid];
+    out[tid] = total;
+  }
+}
+
+// The row sums of query_grad's row phase over one part of a warp's 16 rows: the 64 columns col0 … col0 + 63
+// of d1. `put(k, sums)` takes row sum k of the part (0 φ·z, 1 m·dO, 2 φσ·s; softmax also 3 its maximum in
+// log2 units, 4 its sum), which the caller keeps or exchanges between the parts.
+//
+// φ(q) of the part from the Q tile (softmax: the part's unnormalized exponentials) with sums 0 (3, 4), and φ
+// rounded to E, two elements a word, into word(e) for the pair e, e + 1.
+template <feature_map F, class E, int D, class Put, class Word> __device__ __forceinline__ void
+part_features(smem_tile<D> qt, int row0, int col0, const float* z, Put&& put, Word&& word) {
+  using M = attention_mma<E, D>;
+  constexpr int R = M::rows_per_lane;
+  typename M::score_tile a[1];
+#pragma unroll
+  for (int e = 0; e < M::score_elems; e += 2) {
+    const uint32_t w = *reinterpret_cast<const uint32_t*>(qt.at(row0 + M::elem_row(e), col0 + M::elem_col(e)));
+    a[0].x[e] = E::to_float(static_cast<uint16_t>(w & 0xffffu));
+    a[0].x[e + 1] = E::to_float(static_cast<uint16_t>(w >> 16));
+  }
+  if constexpr (F == feature_map::softmax) {
+    float mx[R], sum[R];
+    softmax_part<E, D>(a[0], mx, sum);
+    put(3, mx);
+    put(4, sum);
+  } else {
+    feature_band<F, E, D, 1>(a);
+  }
+  float az[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) az[r] = 0.f;
+#pragma unroll
+  for (int e = 0; e < M::score_elems; e += 2) {
+    const float2 zc = column_pair(z, col0 + M::elem_col(e));
+    az[M::elem_slot(e)] += a[0].x[e] * zc.x + a[0].x[e + 1] * zc.y;
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) az[r] = M::row_sum(az[r]);
+  put(0, az);
+#pragma unroll
+  for (int e = 0; e < M::score_elems; e += 2) word(e) = E::pack(a[0].x[e], a[0].x[e + 1]);
+}
+// μ = m·dO over the part, sum 1.
+template <class E, int D, class Put>
+__device__ __forceinline__ void part_mean_dot(smem_tile<D> dot, int row0, int col0, const float* m, Put&& put) {
+  using M = attention_mma<E, D>;
+  constexpr int R = M::rows_per_lane;
+  float mu[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) mu[r] = 0.f;
+#pragma unroll
+  for (int e = 0; e < M::score_elems; e += 2) {
+    const int col = col0 + M::elem_col(e);
+    const uint32_t w = *reinterpret_cast<const uint32_t*>(dot.at(row0 + M::elem_row(e), col));
+    const float2 mc = column_pair(m, col);
+    mu[M::elem_slot(e)] +=
+        mc.x * E::to_float(static_cast<uint16_t>(w & 0xffffu)) + mc.y * E::to_float(static_cast<uint16_t>(w >> 16));
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) mu[r] = M::row_sum(mu[r]);
+  put(1, mu);
+}
+// u = Σ φσ·s over the part, sum 2, with φ read back from word(e) as part_features rounded it.
+template <class E, int D, class Put, class Word>
+__device__ __forceinline__ void part_scaled_dot(const typename attention_mma<E, D>::score_tile& s, int col0,
+                                                const float* sigma, Put&& put, Word&& word) {
+  using M = attention_mma<E, D>;
+  constexpr int R = M::rows_per_lane;
+  float u[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) u[r] = 0.f;
+#pragma unroll
+  for (int e = 0; e < M::score_elems; e += 2) {
+    const uint32_t aw = word(e);
+    const float a0 = E::to_float(static_cast<uint16_t>(aw & 0xffffu));
+    const float a1 = E::to_float(static_cast<uint16_t>(aw >> 16));
+    const float2 sc = column_pair(sigma, col0 + M::elem_col(e));
+    u[M::elem_slot(e)] += a0 * sc.x * s.x[e] + a1 * sc.y * s.x[e + 1];
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) u[r] = M::row_sum(u[r]);
+  put(2, u);
+}
+
+// Row sums 0 and 2 (φ·z and φσ·s) of one row over both parts, from each part's sums as part_features and
+// part_scaled_dot gave them (x0, x1: the row's sum 0 of parts 0 and 1, the others 64 apart), and the factor that
+// turns part `half`'s own φ into the row's (softmax: its exponentials relative to the part's own maximum; 1
+// otherwise). Every caller evaluates this one expression in part order, so all agree bit for bit.
+template <feature_map F> __device__ __forceinline__ void combine_parts(const float* x0, const float* x1, int half,
+                                                                       float& az, float& u, float& fa) {
+  if constexpr (F == feature_map::softmax) {
+    const float mx = fmaxf(x0[3 * 64], x1[3 * 64]);
+    const float w0 = fast_exp2(x0[3 * 64] - mx), w1 = fast_exp2(x1[3 * 64] - mx);
+    const float inv_sum = 1.f / (x0[4 * 64] * w0 + x1[4 * 64] * w1);
+    const float f0 = w0 * inv_sum, f1 = w1 * inv_sum;
+    az = f0 * x0[0] + f1 * x1[0];
+    u = f0 * x0[2 * 64] + f1 * x1[2 * 64];
+    fa = half ? f1 : f0;
+  } else {
+    az = x0[0] + x1[0];
+    u = x0[2 * 64] + x1[2 * 64];
+    fa = 1.f;
+  }
+}
+
 #if VSA_WGMMA
 // query_grad_kernel through the copy engine (Hopper code, where query_grad_shape::tma holds and the host could
 // encode the maps of Q, dO and dq). Thread 0 asks for each tile's Q and dO (three stages, one mbarrier each)
@@ -1137,69 +1255,12 @@ __device__ __forceinline__ void query_grad_tma(const query_grad_params& p, uint1
       }
     };
     uint32_t a16[M::score_elems / 2]; // φ(q) of the part (softmax: its unnormalized exponentials), rounded to E
-    {
-      typename M::score_tile a[1];
-#pragma unroll
-      for (int e = 0; e < M::score_elems; e += 2) {
-        const uint32_t w = *reinterpret_cast<const uint32_t*>(qt.at(row0 + M::elem_row(e), col0 + M::elem_col(e)));
-        a[0].x[e] = E::to_float(static_cast<uint16_t>(w & 0xffffu));
-        a[0].x[e + 1] = E::to_float(static_cast<uint16_t>(w >> 16));
-      }
-      if constexpr (F == feature_map::softmax) {
-        float mx[R], sum[R];
-        softmax_part<E, D>(a[0], mx, sum);
-        put(3, mx);
-        put(4, sum);
-      } else {
-        feature_band<F, E, D, 1>(a);
-      }
-      float az[R];
-#pragma unroll
-      for (int r = 0; r < R; ++r) az[r] = 0.f;
-#pragma unroll
-      for (int e = 0; e < M::score_elems; e += 2) {
-        const float2 zc = column_pair(z, col0 + M::elem_col(e));
-        az[M::elem_slot(e)] += a[0].x[e] * zc.x + a[0].x[e + 1] * zc.y;
-      }
-#pragma unroll
-      for (int r = 0; r < R; ++r) az[r] = M::row_sum(az[r]);
-      put(0, az);
-#pragma unroll
-      for (int e = 0; e < M::score_elems; e += 2) a16[e / 2] = E::pack(a[0].x[e], a[0].x[e + 1]);
-    }
-    {
-      float mu[R];
-#pragma unroll
-      for (int r = 0; r < R; ++r) mu[r] = 0.f;
-#pragma unroll
-      for (int e = 0; e < M::score_elems; e += 2) {
-        const int col = col0 + M::elem_col(e);
-        const uint32_t w = *reinterpret_cast<const uint32_t*>(dot.at(row0 + M::elem_row(e), col));
-        const float2 mc = column_pair(m, col);
-        mu[M::elem_slot(e)] +=
-            mc.x * E::to_float(static_cast<uint16_t>(w & 0xffffu)) + mc.y * E::to_float(static_cast<uint16_t>(w >> 16));
-      }
-#pragma unroll
-      for (int r = 0; r < R; ++r) mu[r] = M::row_sum(mu[r]);
-      put(1, mu);
-    }
+    const auto word = [&](int e) -> uint32_t& { return a16[e / 2]; };
+    part_features<F, E, D>(qt, row0, col0, z, put, word);
+    part_mean_dot<E, D>(dot, row0, col0, m, put);
     wgmma::wait<0>();
     wgmma::pin(s.x);
-    {
-      float u[R];
-#pragma unroll
-      for (int r = 0; r < R; ++r) u[r] = 0.f;
-#pragma unroll
-      for (int e = 0; e < M::score_elems; e += 2) {
-        const float a0 = E::to_float(static_cast<uint16_t>(a16[e / 2] & 0xffffu));
-        const float a1 = E::to_float(static_cast<uint16_t>(a16[e / 2] >> 16));
-        const float2 sc = column_pair(sigma, col0 + M::elem_col(e));
-        u[M::elem_slot(e)] += a0 * sc.x * s.x[e] + a1 * sc.y * s.x[e + 1];
-      }
-#pragma unroll
-      for (int r = 0; r < R; ++r) u[r] = M::row_sum(u[r]);
-      put(2, u);
-    }
+    part_scaled_dot<E, D>(s, col0, sigma, put, word);
     // dq tile c mod 2 was last read by the store of tile c − 2, which must be done with it before the barrier
     // below lets any warp write it.
     if (tid == 0) tma::store_wait_read<S::dq_stages - 1>();
@@ -1214,21 +1275,8 @@ __device__ __forceinline__ void query_grad_tma(const query_grad_params& p, uint1
       float az, u, mu;
       if constexpr (H == 2) {
         const float* x0 = xch + row0 + M::slot_row(r);
-        const float* x1 = x0 + K * 64;
-        if constexpr (F == feature_map::softmax) {
-          const float mx = fmaxf(x0[3 * 64], x1[3 * 64]);
-          const float w0 = fast_exp2(x0[3 * 64] - mx), w1 = fast_exp2(x1[3 * 64] - mx);
-          const float inv_sum = 1.f / (x0[4 * 64] * w0 + x1[4 * 64] * w1);
-          const float f0 = w0 * inv_sum, f1 = w1 * inv_sum; // each part's exponentials → φ(q)
-          az = f0 * x0[0] + f1 * x1[0];
-          u = f0 * x0[2 * 64] + f1 * x1[2 * 64];
-          fa[r] = half ? f1 : f0;
-        } else {
-          az = x0[0] + x1[0];
-          u = x0[2 * 64] + x1[2 * 64];
-          fa[r] = 1.f;
-        }
-        mu = x0[64] + x1[64];
+        combine_parts<F>(x0, x0 + K * 64, half, az, u, fa[r]);
+        mu = x0[64] + x0[K * 64 + 64];
       } else {
         if constexpr (F == feature_map::softmax) {
           fa[r] = 1.f / own[4][r];
@@ -1317,16 +1365,7 @@ __device__ __forceinline__ void query_grad_tma(const query_grad_params& p, uint1
     *reinterpret_cast<float2*>(rec + (16 * warp + M::elem_row(e)) * D + M::elem_col(e)) =
         make_float2(acc.x[e], acc.x[e + 1]);
   __syncthreads(); // every product has read KVn, whose tile now takes the partial column sums of dz̄
-  float* red = reinterpret_cast<float*>(sm);
-  const int group = tid / pairs;
-  red[group * D + 2 * zpair] = zk[0];
-  red[group * D + 2 * zpair + 1] = zk[1];
-  __syncthreads();
-  if (tid < D) {
-    float total = 0.f;
-    for (int g = 0; g < groups; ++g) total += red[g * D + tid];
-    rec[record<D>::first + tid] = total;
-  }
+  add_column_groups<D>(reinterpret_cast<float*>(sm), zk, tid, pairs, groups, rec + record<D>::first);
   if (tid == 0) tma::store_wait<0>(); // the block's shared memory must outlast the last stores
 }
 #endif
@@ -1454,72 +1493,13 @@ VSA_LINEAR_BOUNDS((band_layout<E, D>::threads), (D == 128 ? (layer_tn ? query_gr
         else
           return a16[e / 2];
       };
-      {
-        typename M::score_tile a[1];
-#pragma unroll
-        for (int e = 0; e < M::score_elems; e += 2) {
-          const uint32_t w = *reinterpret_cast<const uint32_t*>(qt.at(row0 + M::elem_row(e), col0 + M::elem_col(e)));
-          a[0].x[e] = E::to_float(static_cast<uint16_t>(w & 0xffffu));
-          a[0].x[e + 1] = E::to_float(static_cast<uint16_t>(w >> 16));
-        }
-        if constexpr (F == feature_map::softmax) {
-          float mx[R], sum[R];
-          softmax_part<E, D>(a[0], mx, sum);
-          put(3, mx);
-          put(4, sum);
-        } else {
-          feature_band<F, E, D, 1>(a);
-        }
-        float az[R];
-#pragma unroll
-        for (int r = 0; r < R; ++r) az[r] = 0.f;
-#pragma unroll
-        for (int e = 0; e < M::score_elems; e += 2) {
-          const float2 zc = column_pair(z, col0 + M::elem_col(e));
-          az[M::elem_slot(e)] += a[0].x[e] * zc.x + a[0].x[e + 1] * zc.y;
-        }
-#pragma unroll
-        for (int r = 0; r < R; ++r) az[r] = M::row_sum(az[r]);
-        put(0, az);
-#pragma unroll
-        for (int e = 0; e < M::score_elems; e += 2) phi_word(e) = E::pack(a[0].x[e], a[0].x[e + 1]);
-      }
-      {
-        float mu[R];
-#pragma unroll
-        for (int r = 0; r < R; ++r) mu[r] = 0.f;
-#pragma unroll
-        for (int e = 0; e < M::score_elems; e += 2) {
-          const int col = col0 + M::elem_col(e);
-          const uint32_t w = *reinterpret_cast<const uint32_t*>(dot.at(row0 + M::elem_row(e), col));
-          const float2 mc = column_pair(m, col);
-          mu[M::elem_slot(e)] += mc.x * E::to_float(static_cast<uint16_t>(w & 0xffffu)) +
-                                 mc.y * E::to_float(static_cast<uint16_t>(w >> 16));
-        }
-#pragma unroll
-        for (int r = 0; r < R; ++r) mu[r] = M::row_sum(mu[r]);
-        put(1, mu);
-      }
+      part_features<F, E, D>(qt, row0, col0, z, put, phi_word);
+      part_mean_dot<E, D>(dot, row0, col0, m, put);
       typename M::score_tile s; // s[:, d1] of the half
 #pragma unroll
       for (int e = 0; e < M::score_elems; ++e) s.x[e] = 0.f;
       M::nt(s, dot, row0, skv(half));
-      {
-        float u[R];
-#pragma unroll
-        for (int r = 0; r < R; ++r) u[r] = 0.f;
-#pragma unroll
-        for (int e = 0; e < M::score_elems; e += 2) {
-          const uint32_t aw = phi_word(e);
-          const float a0 = E::to_float(static_cast<uint16_t>(aw & 0xffffu));
-          const float a1 = E::to_float(static_cast<uint16_t>(aw >> 16));
-          const float2 sc = column_pair(sigma, col0 + M::elem_col(e));
-          u[M::elem_slot(e)] += a0 * sc.x * s.x[e] + a1 * sc.y * s.x[e + 1];
-        }
-#pragma unroll
-        for (int r = 0; r < R; ++r) u[r] = M::row_sum(u[r]);
-        put(2, u);
-      }
+      part_scaled_dot<E, D>(s, col0, sigma, put, phi_word);
       __syncthreads(); // both halves' row sums are in xch
       // Both warpgroups combine both halves' sums read back from xch with the same expression, in half order,
       // so they agree bit for bit on every row factor (and the sums never depend on timing).
@@ -1529,19 +1509,7 @@ VSA_LINEAR_BOUNDS((band_layout<E, D>::threads), (D == 128 ? (layer_tn ? query_gr
         const float* x0 = xch + row0 + M::slot_row(r);
         const float* x1 = x0 + K * 64;
         float az, u;
-        if constexpr (F == feature_map::softmax) {
-          const float mx = fmaxf(x0[3 * 64], x1[3 * 64]);
-          const float w0 = fast_exp2(x0[3 * 64] - mx), w1 = fast_exp2(x1[3 * 64] - mx);
-          const float inv_sum = 1.f / (x0[4 * 64] * w0 + x1[4 * 64] * w1);
-          const float f0 = w0 * inv_sum, f1 = w1 * inv_sum; // each half's exponentials → φ(q)
-          az = f0 * x0[0] + f1 * x1[0];
-          u = f0 * x0[2 * 64] + f1 * x1[2 * 64];
-          fa[r] = half ? f1 : f0;
-        } else {
-          az = x0[0] + x1[0];
-          u = x0[2 * 64] + x1[2 * 64];
-          fa[r] = 1.f;
-        }
+        combine_parts<F>(x0, x1, half, az, u, fa[r]);
         inv_den[r] = 1.f / (az + p.eps);
         u *= inv_den[r];
         gk[r] = (x0[64] + x1[64]) * p.eps * inv_den[r] - u;
@@ -1740,16 +1708,7 @@ VSA_LINEAR_BOUNDS((band_layout<E, D>::threads), (D == 128 ? (layer_tn ? query_gr
   if constexpr (layer_tn) {
     // dz̄: the row groups' partial column sums, added in group order through shared memory.
     __syncthreads();
-    float* red = reinterpret_cast<float*>(sm);
-    const int group = tid / pairs;
-    red[group * D + 2 * zpair] = zk[0];
-    red[group * D + 2 * zpair + 1] = zk[1];
-    __syncthreads();
-    if (tid < D) {
-      float total = 0.f;
-      for (int g = 0; g < groups; ++g) total += red[g * D + tid];
-      rec[record<D>::first + tid] = total;
-    }
+    add_column_groups<D>(reinterpret_cast<float*>(sm), zk, tid, pairs, groups, rec + record<D>::first);
   }
 }
 
