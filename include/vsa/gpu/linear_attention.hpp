@@ -242,8 +242,9 @@ struct linear_state {
   std::size_t bytes = 0;
 };
 
+// 0 for a problem the GPU entry points reject.
 inline std::size_t linear_state_bytes(const problem& p) {
-  if (p.batch < 1 || p.kv_heads < 1 || p.head_dim < 1) return 0;
+  if (!check_problem(p, target::gpu)) return 0;
   return gpu::detail::linear::state_matrix_bytes(p) +
          gpu::detail::linear::round_up(static_cast<std::size_t>(p.batch * p.kv_heads * 3 * p.head_dim) * sizeof(float));
 }
