@@ -110,14 +110,18 @@ template <class T> status check_pointer(const char* name, T* ptr, std::size_t al
   return status::ok();
 }
 
-inline status check_workspace(const void* workspace, std::size_t given, std::size_t needed) {
+// A caller's scratch buffer `name` of `given` bytes, of which `needed` are used: 256-byte aligned and large
+// enough (the workspace of every entry point, the linear branch's kept state).
+inline status check_buffer(const char* name, const void* buffer, std::size_t given, std::size_t needed) {
   if (needed == 0) return status::ok();
-  if (workspace == nullptr) return status::error(errc::bad_workspace, "workspace: null, %zu bytes needed", needed);
-  if (reinterpret_cast<std::uintptr_t>(workspace) % 256 != 0)
-    return status::error(errc::misaligned_pointer, "workspace: must be 256-byte aligned");
-  if (given < needed)
-    return status::error(errc::bad_workspace, "workspace: %zu bytes given, %zu needed", given, needed);
+  if (buffer == nullptr) return status::error(errc::bad_workspace, "%s: null, %zu bytes needed", name, needed);
+  if (reinterpret_cast<std::uintptr_t>(buffer) % 256 != 0)
+    return status::error(errc::misaligned_pointer, "%s: must be 256-byte aligned", name);
+  if (given < needed) return status::error(errc::bad_workspace, "%s: %zu bytes given, %zu needed", name, given, needed);
   return status::ok();
+}
+inline status check_workspace(const void* workspace, std::size_t given, std::size_t needed) {
+  return check_buffer("workspace", workspace, given, needed);
 }
 
 // Caller-supplied q2k lists, checked on the host: every count in [0, capacity], capacity <= N, every entry

@@ -252,14 +252,10 @@ inline std::size_t linear_state_bytes(const problem& p) {
 namespace gpu {
 namespace detail {
 namespace linear {
+// No buffer means none is kept (forward) or the state is recomputed (backward).
 inline status check_state(const linear_state& state, const problem& p) {
   if (state.data == nullptr) return status::ok();
-  if (reinterpret_cast<std::uintptr_t>(state.data) % 256 != 0)
-    return status::error(errc::misaligned_pointer, "state: must be 256-byte aligned");
-  const std::size_t needed = linear_state_bytes(p);
-  if (state.bytes < needed)
-    return status::error(errc::bad_workspace, "state: %zu bytes given, %zu needed", state.bytes, needed);
-  return status::ok();
+  return check_buffer("state", state.data, state.bytes, linear_state_bytes(p));
 }
 } // namespace linear
 } // namespace detail

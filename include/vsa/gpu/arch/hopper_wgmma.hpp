@@ -50,6 +50,14 @@ template <int N> __device__ __forceinline__ void pin(float (&x)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(x[i])::"memory");
 }
+// The same for an A operand in registers (K k steps of four 32-bit words a thread), which an issued group reads
+// until the wait that completes it.
+template <int K> __device__ __forceinline__ void pin(uint32_t (&x)[K][4]) {
+#pragma unroll
+  for (int k = 0; k < K; ++k)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(x[k][r])::"memory");
+}
 
 #define VSA_WG_ACC8(d, i)                                                                                              \
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]),          \
@@ -239,12 +247,7 @@ template <class E, int D> struct warpgroup_mma : warp_mma<E, D> {
     wgmma::pin(acc);
   }
   // After the wait that completes the group reading them: keeps P's registers from being reused before then.
-  __device__ __forceinline__ static void pin(prob_frag& a) {
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(a.x[kk][r])::"memory");
-  }
+  __device__ __forceinline__ static void pin(prob_frag& a) { wgmma::pin(a.x); }
 
   // A 16 × D band of this warp (D/64 score tiles, columns 64c … of tile c) rounded to E, as the A operand of
   // the D/16 k steps of a product over the head dim: the accumulator-to-A identity that keeps P in registers
@@ -263,12 +266,7 @@ template <class E, int D> struct warpgroup_mma : warp_mma<E, D> {
         for (int r = 0; r < 4; ++r)
           a.x[4 * c + kk][r] = E::pack(t[c].x[nv_lanes::p_elem(kk, r, 0)], t[c].x[nv_lanes::p_elem(kk, r, 1)]);
   }
-  __device__ __forceinline__ static void pin(band_frag& a) {
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(a.x[ks][r])::"memory");
-  }
+  __device__ __forceinline__ static void pin(band_frag& a) { wgmma::pin(a.x); }
   // s = A · Bᵀ, A the band in registers, B the 64 rows of tile b (K-major, as in nt): issued as one group and
   // returned at once (wait as for nt_into; the band's registers stay untouched until then). The first k step
   // does not accumulate, so s needs no zeros.
