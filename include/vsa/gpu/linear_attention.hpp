@@ -199,9 +199,12 @@ template <class E, int D, feature_map F> status run_state(const problem& p, cons
   if (w.hopper && encode_map(sp.k_map, k, p, seq.tokens, p.kv_heads, D) &&
       encode_map(sp.v_map, v, p, seq.tokens, p.kv_heads, D))
     sp.tma = 1;
-  state_kernel<E, D, F><<<static_cast<unsigned>(w.heads_kv * w.slices_state), state_shape<E, D>::threads,
-                          state_shape<E, D>::smem(w.hopper), stream>>>(sp);
-  status s = launch_status("linear attention (state)");
+  // The state kernel starts in stream order: apply, two launches on, reads its first Q tiles before it waits
+  // (runtime.hpp: launch), which is sound only if the kernels before the call had finished when this one began.
+  // Every later kernel is launched with overlap and waits before it touches what earlier kernels wrote.
+  status s = launch("linear attention (state)", state_kernel<E, D, F>,
+                    dim3(static_cast<unsigned>(w.heads_kv * w.slices_state)), dim3(state_shape<E, D>::threads),
+                    state_shape<E, D>::smem(w.hopper), stream, false, sp);
   if (!s) return s;
 
   state_reduce_params rp{};
@@ -210,8 +213,8 @@ template <class E, int D, feature_map F> status run_state(const problem& p, cons
   rp.heads_total = w.heads_kv;
   rp.inv_count = static_cast<float>(1.0 / static_cast<double>(tile_geometry(p.grid).raster_tokens()));
   rp.state = state;
-  state_reduce_kernel<E, D><<<static_cast<unsigned>(w.heads_kv * D), D, 0, stream>>>(rp);
-  return launch_status("linear attention (state reduction)");
+  return launch("linear attention (state reduction)", state_reduce_kernel<E, D>,
+                dim3(static_cast<unsigned>(w.heads_kv * D)), dim3(D), 0, stream, true, rp);
 }
 
 // Where a call's state lives: in the caller's linear_state where one is given (KVn of every head, then z, m, σ
@@ -310,9 +313,9 @@ inline status linear_attention_forward(const problem& p, feature_map phi, float 
     if (w.hopper && gl::encode_map(ap.q_map, q, p, tokens, p.q_heads, D) &&
         gl::encode_map(ap.o_map, o_l, p, tokens, p.q_heads, D))
       ap.tma = 1;
-    gl::apply_kernel<E, D, F><<<static_cast<unsigned>(w.heads_q * w.slices_apply), gl::apply_shape<E, D>::threads,
-                                gl::apply_shape<E, D>::smem(w.hopper), stream>>>(ap);
-    return gpu::launch_status("linear attention (apply)");
+    return gpu::launch("linear attention (apply)", gl::apply_kernel<E, D, F>,
+                       dim3(static_cast<unsigned>(w.heads_q * w.slices_apply)), dim3(gl::apply_shape<E, D>::threads),
+                       gl::apply_shape<E, D>::smem(w.hopper), stream, true, ap);
   });
 }
 
@@ -385,10 +388,9 @@ inline status linear_attention_backward(const problem& p, feature_map phi, float
         gl::encode_map(qp.do_map, d_o, p, tokens, p.q_heads, D) &&
         gl::encode_map(qp.dq_map, dq, p, tokens, p.q_heads, D))
       qp.tma = 1;
-    gl::query_grad_kernel<E, D, F>
-        <<<static_cast<unsigned>(w.heads_q * w.slices_query), gl::query_grad_shape<E, D>::threads,
-           gl::query_grad_shape<E, D>::smem(w.hopper), stream>>>(qp);
-    st = gpu::launch_status("linear attention backward (query side)");
+    st = gpu::launch("linear attention backward (query side)", gl::query_grad_kernel<E, D, F>,
+                     dim3(static_cast<unsigned>(w.heads_q * w.slices_query)), dim3(gl::query_grad_shape<E, D>::threads),
+                     gl::query_grad_shape<E, D>::smem(w.hopper), stream, true, qp);
     if (!st) return st;
 
     gl::grad_reduce_params rp{};
@@ -400,8 +402,8 @@ inline status linear_attention_backward(const problem& p, feature_map phi, float
     rp.heads_total = w.heads_q;
     rp.state_vec = qp.vec;
     rp.grad = {w.at<uint16_t>(workspace, w.grad_kvn), w.at<float>(workspace, w.grad_vec)};
-    gl::grad_reduce_kernel<E, D><<<static_cast<unsigned>(w.heads_kv * D), D, 0, stream>>>(rp);
-    st = gpu::launch_status("linear attention backward (state gradient)");
+    st = gpu::launch("linear attention backward (state gradient)", gl::grad_reduce_kernel<E, D>,
+                     dim3(static_cast<unsigned>(w.heads_kv * D)), dim3(D), 0, stream, true, rp);
     if (!st) return st;
 
     gl::key_grad_params kp{};
@@ -424,9 +426,9 @@ inline status linear_attention_backward(const problem& p, feature_map phi, float
         gl::encode_map(kp.dk_map, dk, p, tokens, p.kv_heads, D) &&
         gl::encode_map(kp.dv_map, dv, p, tokens, p.kv_heads, D))
       kp.tma = 1;
-    gl::key_grad_kernel<E, D, F><<<static_cast<unsigned>(w.heads_kv * w.slices_key), gl::key_grad_shape<E, D>::threads,
-                                   gl::key_grad_shape<E, D>::smem(w.hopper), stream>>>(kp);
-    return gpu::launch_status("linear attention backward (key side)");
+    return gpu::launch("linear attention backward (key side)", gl::key_grad_kernel<E, D, F>,
+                       dim3(static_cast<unsigned>(w.heads_kv * w.slices_key)), dim3(gl::key_grad_shape<E, D>::threads),
+                       gl::key_grad_shape<E, D>::smem(w.hopper), stream, true, kp);
   });
 }
 

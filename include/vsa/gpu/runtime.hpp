@@ -83,6 +83,43 @@ inline status runtime_status(error_t e, const char* what) {
   return status::ok();
 }
 
+// Launches kernel<<<grid, block, smem, stream>>>(args...), reporting a failure with `what`. With `overlap`, where the
+// kernel's code was compiled for Hopper or later (its PTX, so that grid_dependency_wait is in it), the launch is a
+// programmatic dependent one: the kernel may start while the kernel before it in the stream is still running,
+// so that its blocks are resident and past their set-up when that kernel ends instead of being launched only
+// then. Such a kernel calls grid_dependency_wait in every block before it reads anything an earlier kernel may
+// have written and before it writes anything. Elsewhere the launch is in plain stream order.
+template <class... Params, class... Args> status launch(const char* what, void (*kernel)(Params...), dim3 grid,
+                                                        dim3 block, int smem, stream_t stream, bool overlap,
+                                                        Args&&... args) {
+#if VSA_RUNTIME_CUDA
+  if (overlap) {
+    cudaFuncAttributes a{};
+    const status st = runtime_status(cudaFuncGetAttributes(&a, kernel), what);
+    if (!st) return st;
+    overlap = a.ptxVersion >= 90 && a.binaryVersion >= 90;
+  }
+  cudaLaunchAttribute attribute[1] = {};
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = static_cast<std::size_t>(smem);
+  config.stream = stream;
+  config.attrs = attribute;
+  config.numAttrs = overlap ? 1 : 0;
+  const error_t e = cudaLaunchKernelEx(&config, kernel, static_cast<Args&&>(args)...);
+  const status st = launch_status(what); // also clears the runtime's last error
+  if (e != success && st) return status::error(errc::runtime_error, "%s: launch failed: %s", what, error_string(e));
+  return st;
+#else
+  (void)overlap;
+  kernel<<<grid, block, smem, stream>>>(static_cast<Args&&>(args)...);
+  return launch_status(what);
+#endif
+}
+
 // Whether a kernel runs as Hopper code (sm_90 and later), which decides its pipeline and so its shared memory
 // (smem_plan: the device side asks hopper_code, the host the binary version of the code the kernel runs as).
 template <class Kernel> status runs_as_hopper(Kernel k, bool& hopper) {
@@ -164,6 +201,21 @@ __device__ __forceinline__ uint32_t warp_inclusive_sum(uint32_t v, int lane) {
     if (lane >= d) v += u;
   }
   return v;
+}
+
+// The device side of launch's overlap (programmatic dependent launch, Hopper). grid_dependency_wait returns once
+// the kernel before this one in the stream has finished and its writes are visible (at once where the kernel was
+// launched in stream order, and on every other target). grid_dependents_launch lets the next kernel, if launched
+// with overlap, start its blocks from now on; it waits for this kernel all the same.
+__device__ __forceinline__ void grid_dependency_wait() {
+#if VSA_PLATFORM_NVIDIA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void grid_dependents_launch() {
+#if VSA_PLATFORM_NVIDIA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 }
 
 // 2^x on the special-function unit; exp2(-inf) = 0, which the masking relies on.

@@ -489,6 +489,8 @@ __global__ void VSA_LINEAR_BOUNDS((band_layout<E, D>::threads), (D == 128 ? 2 : 
   const auto sk = [&](int buf) { return smem_tile<D>{sm + (2 * buf) * 64 * D}; };
   const auto sv = [&](int buf) { return smem_tile<D>{sm + (2 * buf + 1) * 64 * D}; };
 
+  // The reduction after this kernel may be resident as soon as every block of this one is (runtime.hpp: launch).
+  grid_dependents_launch();
   const int64_t slice = blockIdx.x % p.slices, bh = blockIdx.x / p.slices;
   const int64_t b = bh / p.kv_heads, hk = bh % p.kv_heads;
   const int tid = threadIdx.x, warp = tid / M::threads;
@@ -700,6 +702,9 @@ struct state_reduce_params {
 // Every block adds Σ v for m itself (its sum is the same in every block: same values, same order).
 template <class E, int D> __global__ void __launch_bounds__(D) state_reduce_kernel(state_reduce_params p) {
   __shared__ float scratch[D / warp_size > 0 ? D / warp_size : 1];
+  // Launched with overlap (runtime.hpp: launch): the records are the state kernel's.
+  grid_dependents_launch();
+  grid_dependency_wait();
   const int t = threadIdx.x;
   const int64_t bh = blockIdx.x / D;
   const int d1 = static_cast<int>(blockIdx.x % D);
@@ -905,6 +910,9 @@ __global__ void VSA_LINEAR_BOUNDS((apply_shape<E, D>::threads), (apply_shape<E, 
   if (tma && tid == 0)
     for (int64_t c = begin; c < end && c < begin + ring; ++c) load_ring(c);
 #endif
+  // Launched with overlap (runtime.hpp: launch): the first Q tiles, an input of the call, are on their way while
+  // the state is reduced; the state and every write wait for the reduction.
+  grid_dependency_wait();
   const auto load_q = [&](int64_t c, int buf) {
     copy_tile(sq(buf), p.q.tile(b, h, c), p.q.token, p.seq.valid(c), tid, nthreads);
   };
@@ -1412,6 +1420,10 @@ VSA_LINEAR_BOUNDS((band_layout<E, D>::threads), (D == 128 ? (layer_tn ? query_gr
   const auto sq = [&](int buf) { return smem_tile<D>{sm + (T + 2 * buf) * 64 * D}; };      // Q, then φ(Q) z / den
   const auto sdo = [&](int buf) { return smem_tile<D>{sm + (T + 2 * buf + 1) * 64 * D}; }; // dO
 
+  // Launched with overlap after the state's reduction (runtime.hpp: launch), and lets grad_reduce's blocks in
+  // as its own finish.
+  grid_dependents_launch();
+  grid_dependency_wait();
   const int64_t slice = blockIdx.x % p.slices, bh = blockIdx.x / p.slices;
   const int64_t b = bh / p.q_heads, h = bh % p.q_heads;
   const int64_t bhk = b * (p.q_heads / p.group) + h / p.group;
@@ -1737,6 +1749,9 @@ struct grad_reduce_params {
 // was.
 template <class E, int D> __global__ void __launch_bounds__(D) grad_reduce_kernel(grad_reduce_params p) {
   __shared__ float scratch[D / warp_size > 0 ? D / warp_size : 1];
+  // Launched with overlap (runtime.hpp: launch): the records are query_grad's.
+  grid_dependents_launch();
+  grid_dependency_wait();
   const int t = threadIdx.x;
   const int64_t bhk = blockIdx.x / D;
   const int d1 = static_cast<int>(blockIdx.x % D);
@@ -1810,6 +1825,7 @@ __global__ void VSA_LINEAR_BOUNDS((key_grad_shape<E, D>::threads), (D == 128 ? 2
   const auto sk = [&](int buf) { return smem_tile<D>{sm + (T + 2 * buf) * 64 * D}; };
   const auto sv = [&](int buf) { return smem_tile<D>{sm + (T + 2 * buf + 1) * 64 * D}; };
 
+  grid_dependency_wait(); // launched with overlap after grad_reduce (runtime.hpp: launch)
   const int64_t slice = blockIdx.x % p.slices, bhk = blockIdx.x / p.slices;
   const int64_t b = bhk / p.kv_heads, hk = bhk % p.kv_heads;
   const int tid = threadIdx.x, row0 = (tid / M::threads) * 16;
