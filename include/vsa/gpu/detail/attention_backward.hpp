@@ -44,6 +44,15 @@ __device__ __forceinline__ void store_band(const typename M::out_tile& acc, floa
                                            const operand& out, uint16_t* out_tile, float* out_f32, const float* fold,
                                            int64_t fold_row) {
   const float fold_scale = valid > 0 ? 1.f / valid : 0.f;
+  // The coarse gradient's row, all of it read before the first store: read in the loop, each load would wait
+  // for the store before it (nothing tells the compiler that the pointers differ), one dependent load a pair
+  // of elements in the epilogue of every tile. Rows of the band share their columns, so the loads of the same
+  // column pair are one.
+  float2 folded[M::out_elems / 2];
+#pragma unroll
+  for (int e = 0; e < M::out_elems; e += 2)
+    folded[e / 2] = fold != nullptr ? *reinterpret_cast<const float2*>(fold + fold_row * D + M::elem_col(e))
+                                    : make_float2(0.f, 0.f);
 #pragma unroll
   for (int e = 0; e < M::out_elems; e += 2) {
     const int row = row0 + M::elem_row(e), col = M::elem_col(e);
@@ -53,8 +62,8 @@ __device__ __forceinline__ void store_band(const typename M::out_tile& acc, floa
       x0 = acc.x[e] * scale;
       x1 = acc.x[e + 1] * scale;
       if (fold != nullptr) {
-        x0 += fold[fold_row * D + col] * fold_scale;
-        x1 += fold[fold_row * D + col + 1] * fold_scale;
+        x0 += folded[e / 2].x * fold_scale;
+        x1 += folded[e / 2].y * fold_scale;
       }
     }
     if (out_f32 != nullptr) {
