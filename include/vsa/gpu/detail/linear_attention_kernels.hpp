@@ -1175,6 +1175,26 @@ template <feature_map F> __device__ __forceinline__ void combine_parts(const flo
   }
 }
 
+// One pair of a row's elements (columns sc, zc: σ and z of the pair): φ(q) from its rounded word (softmax's
+// exponentials times the row's 1 / Σ, fa), da = (σ s + z g_k) / den and dq = φ'ᵀ da through φ, as both loops of
+// query_grad need them. a: φ(q) of the pair, g: dq of the pair.
+template <feature_map F, class E> __device__ __forceinline__ void dq_pair(uint32_t aw, float fa, float2 sc, float2 zc,
+                                                                          float s0, float s1, float gk, float inv_den,
+                                                                          float inner, float (&a)[2], float (&g)[2]) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    a[i] = E::to_float(static_cast<uint16_t>(aw >> (16 * i)));
+    if constexpr (F == feature_map::softmax) a[i] *= fa;
+    const float da = ((i ? sc.y : sc.x) * (i ? s1 : s0) + (i ? zc.y : zc.x) * gk) * inv_den;
+    if constexpr (F == feature_map::softmax)
+      g[i] = a[i] * (da - inner);
+    else if constexpr (F == feature_map::elu1)
+      g[i] = da * fminf(a[i], 1.f);
+    else
+      g[i] = a[i] > 0.f ? da : 0.f;
+  }
+}
+
 #if VSA_WGMMA
 // query_grad_kernel through the copy engine (Hopper code, where query_grad_shape::tma holds and the host could
 // encode the maps of Q, dO and dq). Thread 0 asks for each tile's Q and dO (three stages, one mbarrier each)
@@ -1312,18 +1332,7 @@ __device__ __forceinline__ void query_grad_tma(const query_grad_params& p, uint1
       const int row = row0 + M::elem_row(e), col = col0 + M::elem_col(e), sl = M::elem_slot(e);
       const float2 sc = column_pair(sigma, col), zc = column_pair(z, col);
       float a[2], g[2];
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        a[i] = E::to_float(static_cast<uint16_t>(a16[e / 2] >> (16 * i)));
-        if constexpr (F == feature_map::softmax) a[i] *= fa[sl];
-        const float da = ((i ? sc.y : sc.x) * s.x[e + i] + (i ? zc.y : zc.x) * gk[sl]) * inv_den[sl];
-        if constexpr (F == feature_map::softmax)
-          g[i] = a[i] * (da - inner[sl]);
-        else if constexpr (F == feature_map::elu1)
-          g[i] = da * fminf(a[i], 1.f);
-        else
-          g[i] = a[i] > 0.f ? da : 0.f;
-      }
+      dq_pair<F, E>(a16[e / 2], fa[sl], sc, zc, s.x[e], s.x[e + 1], gk[sl], inv_den[sl], inner[sl], a, g);
       *reinterpret_cast<uint32_t*>(dqt.at(row, col)) = E::pack(g[0], g[1]) & keep[sl];
       *reinterpret_cast<uint32_t*>(qt.at(row, col)) =
           E::pack(a[0] * zc.x * inv_den[sl], a[1] * zc.y * inv_den[sl]) & keep[sl];
@@ -1534,19 +1543,7 @@ VSA_LINEAR_BOUNDS((band_layout<E, D>::threads), (D == 128 ? (layer_tn ? query_gr
         const int row = row0 + M::elem_row(e), col = col0 + M::elem_col(e), sl = M::elem_slot(e);
         const float2 sc = column_pair(sigma, col), zc = column_pair(z, col);
         float a[2], g[2];
-        const uint32_t aw = phi_word(e);
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          a[i] = E::to_float(static_cast<uint16_t>(aw >> (16 * i)));
-          if constexpr (F == feature_map::softmax) a[i] *= fa[sl];
-          const float da = ((i ? sc.y : sc.x) * s.x[e + i] + (i ? zc.y : zc.x) * gk[sl]) * inv_den[sl];
-          if constexpr (F == feature_map::softmax)
-            g[i] = a[i] * (da - inner[sl]);
-          else if constexpr (F == feature_map::elu1)
-            g[i] = da * fminf(a[i], 1.f);
-          else
-            g[i] = a[i] > 0.f ? da : 0.f;
-        }
+        dq_pair<F, E>(phi_word(e), fa[sl], sc, zc, s.x[e], s.x[e + 1], gk[sl], inv_den[sl], inner[sl], a, g);
         if (row < valid)
           *reinterpret_cast<uint32_t*>(dq + row * p.dq.token + col) = E::pack(g[0], g[1]);
         else if (p.seq.tiled)
