@@ -1077,6 +1077,21 @@ template <int D> __device__ __forceinline__ void add_column_groups(float* red, c
 // of d1. `put(k, sums)` takes row sum k of the part (0 φ·z, 1 m·dO, 2 φσ·s; softmax also 3 its maximum in
 // log2 units, 4 its sum), which the caller keeps or exchanges between the parts.
 //
+// Row sum k of the part, term(e) the pair e, e + 1's share, to put(k, ·).
+template <class E, int D, class Term, class Put>
+__device__ __forceinline__ void part_row_sum(int k, Term&& term, Put&& put) {
+  using M = attention_mma<E, D>;
+  constexpr int R = M::rows_per_lane;
+  float x[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) x[r] = 0.f;
+#pragma unroll
+  for (int e = 0; e < M::score_elems; e += 2) x[M::elem_slot(e)] += term(e);
+#pragma unroll
+  for (int r = 0; r < R; ++r) x[r] = M::row_sum(x[r]);
+  put(k, x);
+}
+
 // φ(q) of the part from the Q tile (softmax: the part's unnormalized exponentials) with sums 0 (3, 4), and φ
 // rounded to E, two elements a word, into word(e) for the pair e, e + 1.
 template <feature_map F, class E, int D, class Put, class Word> __device__ __forceinline__ void
@@ -1098,17 +1113,13 @@ part_features(smem_tile<D> qt, int row0, int col0, const float* z, Put&& put, Wo
   } else {
     feature_band<F, E, D, 1>(a);
   }
-  float az[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) az[r] = 0.f;
-#pragma unroll
-  for (int e = 0; e < M::score_elems; e += 2) {
-    const float2 zc = column_pair(z, col0 + M::elem_col(e));
-    az[M::elem_slot(e)] += a[0].x[e] * zc.x + a[0].x[e + 1] * zc.y;
-  }
-#pragma unroll
-  for (int r = 0; r < R; ++r) az[r] = M::row_sum(az[r]);
-  put(0, az);
+  part_row_sum<E, D>(
+      0,
+      [&](int e) {
+        const float2 zc = column_pair(z, col0 + M::elem_col(e));
+        return a[0].x[e] * zc.x + a[0].x[e + 1] * zc.y;
+      },
+      put);
 #pragma unroll
   for (int e = 0; e < M::score_elems; e += 2) word(e) = E::pack(a[0].x[e], a[0].x[e + 1]);
 }
@@ -1116,42 +1127,32 @@ part_features(smem_tile<D> qt, int row0, int col0, const float* z, Put&& put, Wo
 template <class E, int D, class Put>
 __device__ __forceinline__ void part_mean_dot(smem_tile<D> dot, int row0, int col0, const float* m, Put&& put) {
   using M = attention_mma<E, D>;
-  constexpr int R = M::rows_per_lane;
-  float mu[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) mu[r] = 0.f;
-#pragma unroll
-  for (int e = 0; e < M::score_elems; e += 2) {
-    const int col = col0 + M::elem_col(e);
-    const uint32_t w = *reinterpret_cast<const uint32_t*>(dot.at(row0 + M::elem_row(e), col));
-    const float2 mc = column_pair(m, col);
-    mu[M::elem_slot(e)] +=
-        mc.x * E::to_float(static_cast<uint16_t>(w & 0xffffu)) + mc.y * E::to_float(static_cast<uint16_t>(w >> 16));
-  }
-#pragma unroll
-  for (int r = 0; r < R; ++r) mu[r] = M::row_sum(mu[r]);
-  put(1, mu);
+  part_row_sum<E, D>(
+      1,
+      [&](int e) {
+        const int col = col0 + M::elem_col(e);
+        const uint32_t w = *reinterpret_cast<const uint32_t*>(dot.at(row0 + M::elem_row(e), col));
+        const float2 mc = column_pair(m, col);
+        return mc.x * E::to_float(static_cast<uint16_t>(w & 0xffffu)) +
+               mc.y * E::to_float(static_cast<uint16_t>(w >> 16));
+      },
+      put);
 }
 // u = Σ φσ·s over the part, sum 2, with φ read back from word(e) as part_features rounded it.
 template <class E, int D, class Put, class Word>
 __device__ __forceinline__ void part_scaled_dot(const typename attention_mma<E, D>::score_tile& s, int col0,
                                                 const float* sigma, Put&& put, Word&& word) {
   using M = attention_mma<E, D>;
-  constexpr int R = M::rows_per_lane;
-  float u[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) u[r] = 0.f;
-#pragma unroll
-  for (int e = 0; e < M::score_elems; e += 2) {
-    const uint32_t aw = word(e);
-    const float a0 = E::to_float(static_cast<uint16_t>(aw & 0xffffu));
-    const float a1 = E::to_float(static_cast<uint16_t>(aw >> 16));
-    const float2 sc = column_pair(sigma, col0 + M::elem_col(e));
-    u[M::elem_slot(e)] += a0 * sc.x * s.x[e] + a1 * sc.y * s.x[e + 1];
-  }
-#pragma unroll
-  for (int r = 0; r < R; ++r) u[r] = M::row_sum(u[r]);
-  put(2, u);
+  part_row_sum<E, D>(
+      2,
+      [&](int e) {
+        const uint32_t aw = word(e);
+        const float a0 = E::to_float(static_cast<uint16_t>(aw & 0xffffu));
+        const float a1 = E::to_float(static_cast<uint16_t>(aw >> 16));
+        const float2 sc = column_pair(sigma, col0 + M::elem_col(e));
+        return a0 * sc.x * s.x[e] + a1 * sc.y * s.x[e + 1];
+      },
+      put);
 }
 
 // Row sums 0 and 2 (φ·z and φσ·s) of one row over both parts, from each part's sums as part_features and
