@@ -90,34 +90,40 @@ template <class E, int D> struct warp_mma {
   }
 
   // s += A · Bᵀ: computed as sᵀ += B · Aᵀ, B's rows as the MFMA A operand, the band's rows as its B operand.
+  // With W < 64 only the first W rows of b, and so the first W columns of s (its first W/4 elements).
+  template <int W = tile_rows>
   __device__ __forceinline__ static void nt_step(score_tile& s, uint32_t f0, uint32_t f1, smem_tile<D> b, int ks) {
     const int l = lane();
 #pragma unroll
-    for (int t = 0; t < 4; ++t) {
+    for (int t = 0; t < W / 16; ++t) {
       uint32_t a0, a1;
       load4(a0, a1, b, t * 16 + amd_lanes::operand_row(l), ks * 16 + amd_lanes::operand_k(l));
       mfma(&s.x[t * 4], a0, a1, f0, f1);
     }
   }
+  template <int W = tile_rows>
   __device__ __forceinline__ static void nt(score_tile& s, const row_frag& a, smem_tile<D> b) {
 #pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) nt_step(s, a.x[ks][0], a.x[ks][1], b, ks);
+    for (int ks = 0; ks < D / 16; ++ks) nt_step<W>(s, a.x[ks][0], a.x[ks][1], b, ks);
   }
+  template <int W = tile_rows>
   __device__ __forceinline__ static void nt(score_tile& s, smem_tile<D> a, int row0, smem_tile<D> b) {
     const int l = lane();
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
       uint32_t f0, f1;
       load4(f0, f1, a, row0 + amd_lanes::operand_row(l), ks * 16 + amd_lanes::operand_k(l));
-      nt_step(s, f0, f1, b, ks);
+      nt_step<W>(s, f0, f1, b, ks);
     }
   }
 
-  // o += P · B: computed as oᵀ += Bᵀ · Pᵀ; Pᵀ is the score tile as it lies in registers.
+  // o += P · B: computed as oᵀ += Bᵀ · Pᵀ; Pᵀ is the score tile as it lies in registers. With W < 64 over the
+  // first W columns of P and rows of b only.
+  template <int W = tile_rows>
   __device__ __forceinline__ static void nn(out_tile& o, const score_tile& p, smem_tile<D> b) {
     const int l = lane();
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
+    for (int kk = 0; kk < W / 16; ++kk) {
       const uint32_t p0 = E::pack(p.x[amd_lanes::p_elem(kk, 0)], p.x[amd_lanes::p_elem(kk, 1)]);
       const uint32_t p1 = E::pack(p.x[amd_lanes::p_elem(kk, 2)], p.x[amd_lanes::p_elem(kk, 3)]);
       const int r = kk * 16 + amd_lanes::operand_k(l);

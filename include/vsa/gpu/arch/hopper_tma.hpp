@@ -176,16 +176,19 @@ template <int D> __device__ __forceinline__ void load_tile(smem_tile<D> t, const
 // Every thread, once a tile has landed: this thread's share of zeroing the tile's rows at and past `valid`, as
 // copy_tile's zero-fill leaves them (a box is a whole tile, padding slots included, and a padding slot may hold
 // anything: a NaN times a zero probability is NaN). No fence and no barrier: the caller orders the zeros.
-template <int D> __device__ __forceinline__ void zero_rows(smem_tile<D> t, int valid, int tid, int nthreads) {
+// Rows at and past `rows` are left as they are, for a product that reads only the first `rows` of the tile.
+template <int D>
+__device__ __forceinline__ void zero_rows(smem_tile<D> t, int valid, int tid, int nthreads, int rows = tile_rows) {
   constexpr int chunks = smem_tile<D>::chunks;
-  for (int x = tid; x < (tile_rows - valid) * chunks; x += nthreads)
+  for (int x = tid; x < (rows - valid) * chunks; x += nthreads)
     *reinterpret_cast<uint4*>(t.chunk(valid + x / chunks, x % chunks)) = make_uint4(0u, 0u, 0u, 0u);
 }
 // zero_rows, then the block meets so that every thread's zeros are in place before any warp's product reads
 // them. `valid` is the same for every thread: the barrier is reached by all or none.
-template <int D> __device__ __forceinline__ void clear_rows(smem_tile<D> t, int valid, int tid, int nthreads) {
-  if (valid >= tile_rows) return;
-  zero_rows<D>(t, valid, tid, nthreads);
+template <int D>
+__device__ __forceinline__ void clear_rows(smem_tile<D> t, int valid, int tid, int nthreads, int rows = tile_rows) {
+  if (valid >= rows) return;
+  zero_rows<D>(t, valid, tid, nthreads, rows);
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   __syncthreads();
 }
@@ -241,14 +244,16 @@ struct tile_one {
   }
   // Every thread: waits for the tile. For a tile whose padding rows a product would read as data, pass
   // its valid row count: rows at and past it are zeroed (as tile_pair::wait), and the block meets at a
-  // barrier so that every thread's zeros are in place before any warp's product reads them.
+  // barrier so that every thread's zeros are in place before any warp's product reads them. Products that
+  // read only the first `rows` rows (a narrow step: attention_schedule.hpp) need only those cleared.
   __device__ __forceinline__ void wait() {
     tma::wait(bar, phase);
     phase ^= 1u;
   }
-  template <int D> __device__ __forceinline__ void wait(smem_tile<D> t, int valid, int tid, int nthreads) {
+  template <int D>
+  __device__ __forceinline__ void wait(smem_tile<D> t, int valid, int tid, int nthreads, int rows = tile_rows) {
     wait();
-    clear_rows<D>(t, valid, tid, nthreads);
+    clear_rows<D>(t, valid, tid, nthreads, rows);
   }
 };
 

@@ -50,6 +50,12 @@ template <int N> __device__ __forceinline__ void pin(float (&x)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(x[i])::"memory");
 }
+// The first Count of them only: the accumulator of a product narrower than its tile (n16, n32 of a score tile).
+template <int Count, int N> __device__ __forceinline__ void pin_first(float (&x)[N]) {
+  static_assert(Count <= N, "a part of the array");
+#pragma unroll
+  for (int i = 0; i < Count; ++i) asm volatile("" : "+f"(x[i])::"memory");
+}
 // The same for an A operand in registers (K k steps of four 32-bit words a thread), which an issued group reads
 // until the wait that completes it.
 template <int K> __device__ __forceinline__ void pin(uint32_t (&x)[K][4]) {
@@ -63,6 +69,7 @@ template <int K> __device__ __forceinline__ void pin(uint32_t (&x)[K][4]) {
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]),          \
       "+f"(d[i + 7])
 #define VSA_WG_ACC32(d, i) VSA_WG_ACC8(d, i), VSA_WG_ACC8(d, i + 8), VSA_WG_ACC8(d, i + 16), VSA_WG_ACC8(d, i + 24)
+#define VSA_WG_D16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define VSA_WG_D32                                                                                                     \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "    \
   "%24, %25, %26, %27, %28, %29, %30, %31}"
@@ -111,17 +118,30 @@ __device__ __forceinline__ void mma_rs(float* d, const uint32_t (&a)[4], uint64_
 #define VSA_WG_SS8(TYPE)                                                                                               \
   VSA_WG_SS(8, TYPE, "{%0, %1, %2, %3}", "%6", "%4, %5, p, 1, 1, %7, %8", "+f"(d[0]), "+f"(d[1]), "+f"(d[2]),          \
             "+f"(d[3]))
+#define VSA_WG_SS16(TYPE)                                                                                              \
+  VSA_WG_SS(16, TYPE, "{%0, %1, %2, %3, %4, %5, %6, %7}", "%10", "%8, %9, p, 1, 1, %11, %12", VSA_WG_ACC8(d, 0))
+#define VSA_WG_SS32(TYPE)                                                                                              \
+  VSA_WG_SS(32, TYPE, VSA_WG_D16, "%18", "%16, %17, p, 1, 1, %19, %20", VSA_WG_ACC8(d, 0), VSA_WG_ACC8(d, 8))
 #define VSA_WG_SS64(TYPE) VSA_WG_SS(64, TYPE, VSA_WG_D32, "%34", "%32, %33, p, 1, 1, %35, %36", VSA_WG_ACC32(d, 0))
 #define VSA_WG_SS128(TYPE)                                                                                             \
   VSA_WG_SS(128, TYPE, VSA_WG_D64, "%66", "%64, %65, p, 1, 1, %67, %68", VSA_WG_ACC32(d, 0), VSA_WG_ACC32(d, 32))
 
 template <bool BF16, int N, int TransA, int TransB>
 __device__ __forceinline__ void mma_ss(float* d, uint64_t a, uint64_t b, int acc = 1) {
-  static_assert(N == 8 || N == 64 || N == 128, "wgmma shapes used: n8 (sums against ones), n64, n128");
+  static_assert(N == 8 || N == 16 || N == 32 || N == 64 || N == 128,
+                "wgmma shapes used: n8 (sums against ones), n16 and n32 (key tiles with few valid rows), n64, n128");
   if constexpr (N == 8 && BF16) {
     VSA_WG_SS8("bf16");
   } else if constexpr (N == 8) {
     VSA_WG_SS8("f16");
+  } else if constexpr (N == 16 && BF16) {
+    VSA_WG_SS16("bf16");
+  } else if constexpr (N == 16) {
+    VSA_WG_SS16("f16");
+  } else if constexpr (N == 32 && BF16) {
+    VSA_WG_SS32("bf16");
+  } else if constexpr (N == 32) {
+    VSA_WG_SS32("f16");
   } else if constexpr (N == 64 && BF16) {
     VSA_WG_SS64("bf16");
   } else if constexpr (N == 64) {
@@ -135,6 +155,8 @@ __device__ __forceinline__ void mma_ss(float* d, uint64_t a, uint64_t b, int acc
 
 #undef VSA_WG_SS128
 #undef VSA_WG_SS64
+#undef VSA_WG_SS32
+#undef VSA_WG_SS16
 #undef VSA_WG_SS8
 #undef VSA_WG_SS
 #undef VSA_WG_RS128
@@ -142,6 +164,7 @@ __device__ __forceinline__ void mma_ss(float* d, uint64_t a, uint64_t b, int acc
 #undef VSA_WG_RS
 #undef VSA_WG_D64
 #undef VSA_WG_D32
+#undef VSA_WG_D16
 #undef VSA_WG_ACC32
 #undef VSA_WG_ACC8
 
@@ -169,27 +192,31 @@ template <class E, int D> struct warpgroup_mma : warp_mma<E, D> {
   static constexpr bool rows_in_registers = false;
 
   // s += A · Bᵀ, A rows row0 .. row0+15 of a shared tile: the warpgroup reads all 64 rows of a at once,
-  // which is warp w's band 16w.
+  // which is warp w's band 16w. Only the first W rows of b (W = 16, 32 or 64) and so the first W columns of s
+  // (its first W/2 elements: the accumulator of m64nW is that of m64n64 cut after W/8 column blocks).
+  template <int W = tile_rows>
   __device__ __forceinline__ static void nt(score_tile& s, smem_tile<D> a, int /*row0 = 16·warp*/, smem_tile<D> b) {
-    wgmma::pin(s.x);
+    wgmma::pin_first<W / 2>(s.x);
     wgmma::fence();
 #pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) wgmma::mma_ss<E::is_bf16, 64, 0, 0>(s.x, k_major(a, ks), k_major(b, ks));
+    for (int ks = 0; ks < D / 16; ++ks) wgmma::mma_ss<E::is_bf16, W, 0, 0>(s.x, k_major(a, ks), k_major(b, ks));
     wgmma::commit();
     wgmma::wait<0>();
-    wgmma::pin(s.x);
+    wgmma::pin_first<W / 2>(s.x);
   }
-  // o += P · B, P the score tile rounded to E (A operand in registers, as with mma.sync), B MN-major.
+  // o += P · B, P the score tile rounded to E (A operand in registers, as with mma.sync), B MN-major; over the
+  // first W columns of P and rows of b only.
+  template <int W = tile_rows>
   __device__ __forceinline__ static void nn(out_tile& o, const score_tile& p, smem_tile<D> b) {
-    uint32_t a[4][4];
+    uint32_t a[W / 16][4];
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
+    for (int kk = 0; kk < W / 16; ++kk)
 #pragma unroll
       for (int r = 0; r < 4; ++r) a[kk][r] = E::pack(p.x[nv_lanes::p_elem(kk, r, 0)], p.x[nv_lanes::p_elem(kk, r, 1)]);
     wgmma::pin(o.x);
     wgmma::fence();
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) wgmma::mma_rs<E::is_bf16, D, 1>(o.x, a[kk], mn_major(b, kk));
+    for (int kk = 0; kk < W / 16; ++kk) wgmma::mma_rs<E::is_bf16, D, 1>(o.x, a[kk], mn_major(b, kk));
     wgmma::commit();
     wgmma::wait<0>();
     wgmma::pin(o.x);
@@ -214,6 +241,8 @@ template <class E, int D> struct warpgroup_mma : warp_mma<E, D> {
   // register a wgmma of the group reads between the fence and the commit; otherwise it waits after each one
   // (and says so: C7513). The descriptors of a stage chosen at run time and P's registers are therefore made
   // before the fence: the empty volatile statements below keep their order with it.
+  // nt_into<W> writes the first W columns only (as nt<W>); wait for it with wait_first<N, W>.
+  template <int W = tile_rows>
   __device__ __forceinline__ static void nt_into(score_tile& s, smem_tile<D> a, smem_tile<D> b) {
     uint64_t da[D / 16], db[D / 16];
 #pragma unroll
@@ -222,10 +251,10 @@ template <class E, int D> struct warpgroup_mma : warp_mma<E, D> {
       db[ks] = k_major(b, ks);
       asm volatile("" : "+l"(da[ks]), "+l"(db[ks]));
     }
-    wgmma::pin(s.x);
+    wgmma::pin_first<W / 2>(s.x);
     wgmma::fence();
 #pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) wgmma::mma_ss<E::is_bf16, 64, 0, 0>(s.x, da[ks], db[ks], ks > 0 ? 1 : 0);
+    for (int ks = 0; ks < D / 16; ++ks) wgmma::mma_ss<E::is_bf16, W, 0, 0>(s.x, da[ks], db[ks], ks > 0 ? 1 : 0);
     wgmma::commit();
   }
   __device__ __forceinline__ static void nn_async(out_tile& o, prob_frag& a, smem_tile<D> b) {
@@ -245,6 +274,10 @@ template <class E, int D> struct warpgroup_mma : warp_mma<E, D> {
   template <int N, int S> __device__ __forceinline__ static void wait_groups(float (&acc)[S]) {
     wgmma::wait<N>();
     wgmma::pin(acc);
+  }
+  template <int N, int W> __device__ __forceinline__ static void wait_first(score_tile& s) {
+    wgmma::wait<N>();
+    wgmma::pin_first<W / 2>(s.x);
   }
   // After the wait that completes the group reading them: keeps P's registers from being reused before then.
   __device__ __forceinline__ static void pin(prob_frag& a) { wgmma::pin(a.x); }

@@ -9,6 +9,9 @@
 //   nt(s, a, b), nt(s, ta, row0, b)    s += a · bᵀ  (a: the band's rows, in registers or rows row0.. of
 //                                      shared tile ta; b: a 64-row shared tile)
 //   nn(o, p, b)                        o += p · b   (p: a score tile, b: a 64-row shared tile)
+//   nt<W>, nn<W>                       the same over the first W = 16 or 32 rows of b only: the first W
+//                                      columns of s (its first score_elems·W/64 elements), the first W
+//                                      columns of p (a narrow step over a partial tile, attention_schedule.hpp)
 //   tn(o, a, panel, b)                 wgmma backend only: o += aᵀ · b over the 64 rows of two shared tiles,
 //                                      aᵀ the 64 columns of one panel of a, read transposed
 //   tn_sums(o, sa, sb, a, panel, b, ones)

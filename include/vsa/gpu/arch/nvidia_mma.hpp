@@ -92,34 +92,40 @@ template <class E, int D> struct warp_mma {
   }
 
   // s += A · Bᵀ over the head dim, B the 64 rows of tile b; A from registers or from rows row0.. of tile a.
+  // With W < 64 only the first W rows of b, and so the first W columns of s (its first W/2 elements).
+  template <int W = tile_rows>
   __device__ __forceinline__ static void nt_step(score_tile& s, const uint32_t (&a)[4], smem_tile<D> b, int ks) {
     const int l = lane();
 #pragma unroll
-    for (int np = 0; np < 4; ++np) { // pairs of n8 tiles: 16 rows of b
+    for (int np = 0; np < W / 16; ++np) { // pairs of n8 tiles: 16 rows of b
       uint32_t r[4];
       ldmatrix_x4(r, b.chunk(np * 16 + nv_lanes::nt_b_load_row(l), 2 * ks + nv_lanes::nt_b_load_chunk(l)));
       mma(&s.x[(2 * np) * 4], a, r[0], r[1]);
       mma(&s.x[(2 * np + 1) * 4], a, r[2], r[3]);
     }
   }
+  template <int W = tile_rows>
   __device__ __forceinline__ static void nt(score_tile& s, const row_frag& a, smem_tile<D> b) {
 #pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) nt_step(s, a.x[ks], b, ks);
+    for (int ks = 0; ks < D / 16; ++ks) nt_step<W>(s, a.x[ks], b, ks);
   }
+  template <int W = tile_rows>
   __device__ __forceinline__ static void nt(score_tile& s, smem_tile<D> a, int row0, smem_tile<D> b) {
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
       uint32_t f[4];
       load_a(f, a, row0, ks);
-      nt_step(s, f, b, ks);
+      nt_step<W>(s, f, b, ks);
     }
   }
 
-  // o += P · B, P the 16 × 64 score tile (rounded to E), B the 64 × D tile b (rows = the k axis).
+  // o += P · B, P the 16 × 64 score tile (rounded to E), B the 64 × D tile b (rows = the k axis); with W < 64
+  // over the first W columns of P and rows of b only.
+  template <int W = tile_rows>
   __device__ __forceinline__ static void nn(out_tile& o, const score_tile& p, smem_tile<D> b) {
     const int l = lane();
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) { // 16 rows of b per step
+    for (int kk = 0; kk < W / 16; ++kk) { // 16 rows of b per step
       uint32_t a[4];
 #pragma unroll
       for (int r = 0; r < 4; ++r) a[r] = E::pack(p.x[nv_lanes::p_elem(kk, r, 0)], p.x[nv_lanes::p_elem(kk, r, 1)]);

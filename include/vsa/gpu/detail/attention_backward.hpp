@@ -75,7 +75,9 @@ __device__ __forceinline__ void store_band(const typename M::out_tile& acc, floa
   }
 }
 
-template <class E, int D, class Sched> __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads))
+// Narrow, as for the forward: steps over partial key tiles cover their valid rows only (with_step_width).
+template <class E, int D, class Sched, bool Narrow = false>
+__global__ void __launch_bounds__((4 * warp_mma<E, D>::threads))
     attention_dq_kernel(const VSA_GRID_CONSTANT backward_params p, Sched s) {
   using M = attention_mma<E, D>;
   constexpr int nthreads = 4 * M::threads;
@@ -146,39 +148,44 @@ template <class E, int D, class Sched> __global__ void __launch_bounds__((4 * wa
     copy_commit();
     const int kv = s.valid(s.at(pos));
 
-    typename M::score_tile st, dp;
+    // The step at the key tile's width (with_step_width): the products cover its valid rows rounded up to 16.
+    with_step_width<Narrow>(kv, [&](auto width) {
+      constexpr int W = decltype(width)::value, n = M::score_elems * W / tile_rows;
+      typename M::score_tile st, dp;
 #pragma unroll
-    for (int e = 0; e < M::score_elems; ++e) st.x[e] = 0.f, dp.x[e] = 0.f;
+      for (int e = 0; e < n; ++e) st.x[e] = 0.f, dp.x[e] = 0.f;
 #if VSA_WGMMA
-    // Both tiles' padding rows are zeroed on the copy-engine path: at a padded column the probability is
-    // zero, and zero times a NaN from dO·Vᵀ, or dS times a NaN of K, would still be NaN.
-    if (tma) copies.v.wait<D>(sv(0), kv, tid, nthreads);
+      // Both tiles' padding rows among the W the products read are zeroed on the copy-engine path: at a padded
+      // column the probability is zero, and zero times a NaN from dO·Vᵀ, or dS times a NaN of K, would still be
+      // NaN.
+      if (tma) copies.v.wait<D>(sv(0), kv, tid, nthreads, W);
 #endif
-    M::nt(dp, sdo, row0, sv(buf));
+      M::template nt<W>(dp, sdo, row0, sv(buf));
 #if VSA_WGMMA
-    if (tma) {
-      __syncthreads(); // every warp's dO·Vᵀ has read V
-      if (tid == 0 && pos + 1 < end) copies.v.load<D>(sv(0), &p.v_map, s.at(pos + 1) * 64, hk, b);
-      copies.k.wait<D>(sk(0), kv, tid, nthreads);
-    }
-#endif
-    M::nt(st, sq, row0, sk(buf));
-    // dS; the columns past the key tile's valid count get P = 0 (a whole tile, the common case, without a
-    // test per element, as in the forward).
-    const auto make_ds = [&](auto whole) {
-#pragma unroll
-      for (int e = 0; e < M::score_elems; ++e) {
-        const int r = M::elem_slot(e);
-        const float pr =
-            decltype(whole)::value || M::elem_col(e) < kv ? fast_exp2(st.x[e] * p.scale_log2 - lse2[r]) : 0.f;
-        st.x[e] = pr * (dp.x[e] - delta[r]);
+      if (tma) {
+        __syncthreads(); // every warp's dO·Vᵀ has read V
+        if (tid == 0 && pos + 1 < end) copies.v.load<D>(sv(0), &p.v_map, s.at(pos + 1) * 64, hk, b);
+        copies.k.wait<D>(sk(0), kv, tid, nthreads, W);
       }
-    };
-    if (kv == 64)
-      make_ds(std::true_type{});
-    else
-      make_ds(std::false_type{});
-    M::nn(dq, st, sk(buf));
+#endif
+      M::template nt<W>(st, sq, row0, sk(buf));
+      // dS; the columns past the key tile's valid count get P = 0 (a tile whose valid rows fill the width, the
+      // common case, without a test per element, as in the forward).
+      const auto make_ds = [&](auto whole) {
+#pragma unroll
+        for (int e = 0; e < n; ++e) {
+          const int r = M::elem_slot(e);
+          const float pr =
+              decltype(whole)::value || M::elem_col(e) < kv ? fast_exp2(st.x[e] * p.scale_log2 - lse2[r]) : 0.f;
+          st.x[e] = pr * (dp.x[e] - delta[r]);
+        }
+      };
+      if (kv == W)
+        make_ds(std::true_type{});
+      else
+        make_ds(std::false_type{});
+      M::template nn<W>(dq, st, sk(buf));
+    });
 
     if (tma) {
 #if VSA_WGMMA
@@ -200,6 +207,8 @@ template <class E, int D, class Sched> __global__ void __launch_bounds__((4 * wa
   store_band<E, D, M, Sched>(dq, p.scale, row0, q_valid, p.dq, p.dq.tile(b, h, i), f32, p.fold_q, bh * s.tiles + i);
 }
 
+// Its steps stay 64 wide: narrowing them by the query tile's valid rows gained 1% on wan2.1 and made the
+// kernel spill on gfx940 (bench/NOTES.md, v12).
 template <class E, int D, class Sched> __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads))
     attention_dkdv_kernel(const VSA_GRID_CONSTANT backward_params p, Sched s) {
   using M = attention_mma<E, D>;

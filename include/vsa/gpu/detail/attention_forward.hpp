@@ -29,7 +29,10 @@ struct forward_params {
   tma_map k_map, v_map;
 };
 
-template <class E, int D, class Sched>
+// Narrow: steps over partial key tiles cover their valid rows only (with_step_width); the host sets it where the
+// grid has tiles of 32 valid tokens or fewer (sparse_schedule::has_narrow_tiles), so that a grid without them
+// runs the loop of one width.
+template <class E, int D, class Sched, bool Narrow = false>
 __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blocks)
     attention_forward_kernel(const VSA_GRID_CONSTANT forward_params p, Sched s) {
   using M = attention_mma<E, D>;
@@ -123,17 +126,20 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
   // is folded into the exponent, one fma an element: it is positive (check_scale), so the maximum of the raw
   // scores, scaled, is the maximum of the scaled scores (rounding is monotone), as before. Only a tile with
   // padding slots is masked (kv is the same for the whole block): the select drops whatever the padding rows
-  // of K made, NaN included, so K's padding rows need no zeros.
-  const auto softmax = [&](typename M::score_tile& st, int kv_rows, float(&alpha)[R]) {
-    if (kv_rows < tile_rows) {
+  // of K made, NaN included, so K's padding rows need no zeros. Only the first `width` columns of st are
+  // scores (a narrow step, with_step_width); the rest are not read. alpha is R floats (a pointer: a reference
+  // to an array as a parameter of a generic lambda crashes the device front end of CUDA 13.0).
+  const auto softmax = [&](auto width, typename M::score_tile& st, int kv_rows, float* alpha) {
+    constexpr int W = decltype(width)::value, n = M::score_elems * W / tile_rows;
+    if (kv_rows < W) {
 #pragma unroll
-      for (int e = 0; e < M::score_elems; ++e) st.x[e] = M::elem_col(e) < kv_rows ? st.x[e] : -inf;
+      for (int e = 0; e < n; ++e) st.x[e] = M::elem_col(e) < kv_rows ? st.x[e] : -inf;
     }
     float mx[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) mx[r] = -inf;
 #pragma unroll
-    for (int e = 0; e < M::score_elems; ++e) mx[M::elem_slot(e)] = fmaxf(mx[M::elem_slot(e)], st.x[e]);
+    for (int e = 0; e < n; ++e) mx[M::elem_slot(e)] = fmaxf(mx[M::elem_slot(e)], st.x[e]);
     float nbase[R], sum[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
@@ -145,7 +151,7 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
       sum[r] = 0.f;
     }
 #pragma unroll
-    for (int e = 0; e < M::score_elems; ++e) {
+    for (int e = 0; e < n; ++e) {
       st.x[e] = fast_exp2(fmaf(st.x[e], p.scale_log2, nbase[M::elem_slot(e)]));
       sum[M::elem_slot(e)] += st.x[e];
     }
@@ -175,7 +181,7 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
         tma::wait(&ready[0], 0u);
         M::nt_into(st, sq, sk(0));
         M::template wait_groups<0>(st.x);
-        softmax(st, kv, alpha); // o is still zero: no rescale
+        softmax(step_width<tile_rows>{}, st, kv, alpha); // o is still zero: no rescale
         M::pack(pf, st);
         __syncthreads(); // every warp's Q·K_0ᵀ has read stage 0's K
         if (tid == 0 && steps > 2) fetch(sk(0), &p.k_map, &ready[0], j2);
@@ -198,7 +204,7 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
         M::nt_into(st, sq, sk(buf));
         M::nn_async(o, pf, sv(prev));
         M::template wait_groups<1>(st.x);
-        softmax(st, kv, alpha);
+        softmax(step_width<tile_rows>{}, st, kv, alpha);
         M::template wait_groups<0>(o.x);
         // P_n is rounded into P_{n-1}'s registers only now that the P·V group has read them: ptxas keeps the
         // groups in flight only if no other instruction writes a register a wgmma reads while its group runs.
@@ -240,64 +246,70 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
       if (stages == 2 && pos + 1 < end) load_kv(j_next, buf ^ 1);
       copy_commit();
 
-      typename M::score_tile st;
+      // The step at the key tile's width (with_step_width): products, softmax and the clear of V's rows.
+      with_step_width<Narrow>(kv, [&](auto width) {
+        constexpr int W = decltype(width)::value;
+        [[maybe_unused]] constexpr int n = M::score_elems * W / tile_rows; // the elements of the first W columns
+        typename M::score_tile st;
 #if VSA_WGMMA
-      if (tma) kc.wait();
-      M::nt_into(st, sq, sk(buf));
-      M::template wait_groups<0>(st.x);
-      if (tma) {
-        __syncthreads(); // every warp's Q·Kᵀ has read K
-        if (tid == 0 && pos + 1 < end) fetch(sk(0), &p.k_map, &ready[0], j_next);
-      }
+        if (tma) kc.wait();
+        M::template nt_into<W>(st, sq, sk(buf));
+        M::template wait_first<0, W>(st);
+        if (tma) {
+          __syncthreads(); // every warp's Q·Kᵀ has read K
+          if (tid == 0 && pos + 1 < end) fetch(sk(0), &p.k_map, &ready[0], j_next);
+        }
 #else
 #pragma unroll
-      for (int e = 0; e < M::score_elems; ++e) st.x[e] = 0.f;
-      if constexpr (M::rows_in_registers) {
-        M::nt(st, qf, sk(buf));
-      } else {
-        M::nt(st, sq, row0, sk(buf));
-      }
+        for (int e = 0; e < n; ++e) st.x[e] = 0.f;
+        if constexpr (M::rows_in_registers) {
+          M::template nt<W>(st, qf, sk(buf));
+        } else {
+          M::template nt<W>(st, sq, row0, sk(buf));
+        }
 #endif
-      if constexpr (Sched::few_blocks) { // only the coarse pass writes scores
-        if (p.scores != nullptr) {
-          // Elements e and e + 1 (e even) are neighbours in one row in every accumulator layout, so they go out
-          // as one 8-byte store where the row length keeps it aligned. Offsets inside the block fit 32 bits.
-          const int len = static_cast<int>(s.rows_total());
-          float* out = p.scores + (bh * len + i * 64) * len + j * 64;
-          const bool pairs = len % 2 == 0 && reinterpret_cast<uintptr_t>(p.scores) % 8 == 0;
-          if (pairs && q_valid == tile_rows && kv == tile_rows) {
-            // A whole block (every one but the last row and column of blocks): no test per pair.
+        if constexpr (Sched::few_blocks) { // only the coarse pass writes scores
+          if (p.scores != nullptr) {
+            // Elements e and e + 1 (e even) are neighbours in one row in every accumulator layout, so they go
+            // out as one 8-byte store where the row length keeps it aligned. Offsets inside the block fit 32 bits.
+            const int len = static_cast<int>(s.rows_total());
+            float* out = p.scores + (bh * len + i * 64) * len + j * 64;
+            const bool pairs = len % 2 == 0 && reinterpret_cast<uintptr_t>(p.scores) % 8 == 0;
+            if (pairs && q_valid == tile_rows && kv == tile_rows) {
+              // A whole block (every one but the last row and column of blocks): no test per pair.
 #pragma unroll
-            for (int e = 0; e < M::score_elems; e += 2) {
-              const int r = row0 + M::elem_row(e), c = M::elem_col(e);
-              *reinterpret_cast<float2*>(out + r * len + c) = make_float2(st.x[e] * p.scale, st.x[e + 1] * p.scale);
-            }
-          } else {
+              for (int e = 0; e < n; e += 2) {
+                const int r = row0 + M::elem_row(e), c = M::elem_col(e);
+                *reinterpret_cast<float2*>(out + r * len + c) = make_float2(st.x[e] * p.scale, st.x[e + 1] * p.scale);
+              }
+            } else {
 #pragma unroll
-            for (int e = 0; e < M::score_elems; e += 2) {
-              const int r = row0 + M::elem_row(e), c = M::elem_col(e);
-              if (r >= q_valid) continue;
-              const float x0 = st.x[e] * p.scale, x1 = st.x[e + 1] * p.scale;
-              if (pairs && c + 1 < kv) {
-                *reinterpret_cast<float2*>(out + r * len + c) = make_float2(x0, x1);
-              } else {
-                if (c < kv) out[r * len + c] = x0;
-                if (c + 1 < kv) out[r * len + c + 1] = x1;
+              for (int e = 0; e < n; e += 2) {
+                const int r = row0 + M::elem_row(e), c = M::elem_col(e);
+                if (r >= q_valid) continue;
+                const float x0 = st.x[e] * p.scale, x1 = st.x[e + 1] * p.scale;
+                if (pairs && c + 1 < kv) {
+                  *reinterpret_cast<float2*>(out + r * len + c) = make_float2(x0, x1);
+                } else {
+                  if (c < kv) out[r * len + c] = x0;
+                  if (c + 1 < kv) out[r * len + c + 1] = x1;
+                }
               }
             }
           }
         }
-      }
 
-      float alpha[R];
-      softmax(st, kv, alpha);
-      rescale(alpha);
+        float alpha[R];
+        softmax(width, st, kv, alpha);
+        rescale(alpha);
 
 #if VSA_WGMMA
-      // V's padding rows are zeroed: a zero probability times a NaN there would still be NaN.
-      if (tma) vc.wait<D>(sv(0), kv, tid, nthreads);
+        // V's padding rows among the W the product reads are zeroed: a zero probability times a NaN there
+        // would still be NaN.
+        if (tma) vc.wait<D>(sv(0), kv, tid, nthreads, W);
 #endif
-      M::nn(o, st, sv(buf));
+        M::template nn<W>(o, st, sv(buf));
+      });
       j = j_next;
       j_next = j2;
       kv = count.valid(j);

@@ -31,10 +31,31 @@ template <class Kernel> status prepare(Kernel k, int smem_bytes) {
   return runtime_status(allow_dynamic_shared(k, smem_bytes), "setting the kernel's shared-memory size");
 }
 
+// The kernels of a schedule: narrow steps (with_step_width) only for a sparse grid that has tiles they pay on.
+template <class Sched> bool narrow_steps(const Sched& s) {
+  if constexpr (Sched::few_blocks) {
+    return false;
+  } else {
+    return s.has_narrow_tiles();
+  }
+}
+template <class E, int D, class Sched> auto forward_kernel(const Sched& s) {
+  if constexpr (!Sched::few_blocks) {
+    if (narrow_steps(s)) return attention_forward_kernel<E, D, Sched, true>;
+  }
+  return attention_forward_kernel<E, D, Sched, false>;
+}
+template <class E, int D, class Sched> auto dq_kernel(const Sched& s) {
+  if constexpr (!Sched::few_blocks) {
+    if (narrow_steps(s)) return attention_dq_kernel<E, D, Sched, true>;
+  }
+  return attention_dq_kernel<E, D, Sched, false>;
+}
+
 template <class E, int D, class Sched>
 status launch_forward(const forward_params& fp, const Sched& s, int64_t batch, int64_t heads, stream_t stream) {
   using M = warp_mma<E, D>;
-  const auto kernel = attention_forward_kernel<E, D, Sched>;
+  const auto kernel = forward_kernel<E, D>(s);
   bool hopper = false;
   status st = runs_as_hopper(kernel, hopper);
   if (!st) return st;
@@ -79,14 +100,14 @@ inline status launch_order(const order_params& op, stream_t stream) {
 template <class E, int D, class Sched> status launch_backward(const backward_params& bp, const Sched& q_sched,
                                                               const Sched& k_sched, int64_t batch, stream_t stream) {
   using M = warp_mma<E, D>;
-  const auto dq_kernel = attention_dq_kernel<E, D, Sched>;
-  const auto dkdv_kernel = attention_dkdv_kernel<E, D, Sched>;
+  const auto dq = dq_kernel<E, D>(q_sched);
+  const auto dkdv = attention_dkdv_kernel<E, D, Sched>;
   bool hopper = false;
-  status st = runs_as_hopper(dq_kernel, hopper);
+  status st = runs_as_hopper(dq, hopper);
   if (!st) return st;
   const int smem = smem_plan<D>::backward_bytes(hopper);
-  st = prepare(dq_kernel, smem);
-  if (st) st = prepare(dkdv_kernel, smem);
+  st = prepare(dq, smem);
+  if (st) st = prepare(dkdv, smem);
   if (!st) return st;
   const dim3 qgrid(static_cast<unsigned>(q_sched.tiles), static_cast<unsigned>(bp.q_heads),
                    static_cast<unsigned>(batch));
@@ -102,13 +123,13 @@ template <class E, int D, class Sched> status launch_backward(const backward_par
   if (hopper && map(b.k_map, bp.k, bp.kv_heads) && map(b.v_map, bp.v, bp.kv_heads) && map(b.q_map, bp.q, bp.q_heads) &&
       map(b.do_map, bp.d_o, bp.q_heads))
     b.tma = 1;
-  dq_kernel<<<qgrid, 4 * M::threads, smem, stream>>>(b, q_sched);
+  dq<<<qgrid, 4 * M::threads, smem, stream>>>(b, q_sched);
   st = launch_status("attention backward (dq)");
   if (!st) return st;
   const dim3 kgrid = bp.order != nullptr ? dim3(static_cast<unsigned>(k_sched.tiles * bp.kv_heads * batch))
                                          : dim3(static_cast<unsigned>(k_sched.tiles),
                                                 static_cast<unsigned>(bp.kv_heads), static_cast<unsigned>(batch));
-  dkdv_kernel<<<kgrid, 4 * M::threads, smem, stream>>>(b, k_sched);
+  dkdv<<<kgrid, 4 * M::threads, smem, stream>>>(b, k_sched);
   return launch_status("attention backward (dk, dv)");
 }
 

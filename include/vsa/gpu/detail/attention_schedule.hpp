@@ -9,6 +9,8 @@
 #include "../../geometry.hpp"
 #include "../runtime.hpp"
 
+#include <type_traits>
+
 namespace vsa {
 namespace gpu {
 namespace detail {
@@ -69,12 +71,38 @@ struct sparse_schedule {
     __device__ __forceinline__ int valid(int64_t tile) const { return tile < 0 ? 0 : counter.valid(tile); }
   };
   __device__ __forceinline__ fast_valid valid_counter() const { return {tile_valid_counter(geo)}; }
+  // Whether some tile holds 32 valid tokens or fewer, so that narrow steps (with_step_width) pay: the last tile,
+  // at the far edge of every axis, holds the fewest.
+  bool has_narrow_tiles() const { return geo.valid(tiles - 1) <= 32; }
 
 private:
   __device__ __forceinline__ static int64_t clamp(int64_t x, int64_t lo, int64_t hi) {
     return x < lo ? lo : (x > hi ? hi : x);
   }
 };
+
+// How many of a tile's 64 rows a step's products cover: its valid rows rounded up to 16, the matrix
+// instructions' step, as 16, 32 or 64 (48 rounds to 64, which keeps the variants of a loop to three). A
+// partial tile at the edge of the video holds 8 to 48 valid tokens (on wan2.1's 21 × 30 × 52 grid 169 of the
+// 624 tiles hold 8, 16 or 32), and past them there is only padding, whose scores the kernels would mask to a
+// zero probability: cut there, a step's products and exponentials shrink to a quarter or a half. The forward
+// and dq narrow their steps by the key tile. with_step_width calls f with the width
+// as a type (step_width<W>), so that each width is its own unrolled code. Narrow = false keeps one width, 64:
+// the kernels take it as a template parameter, set only where the grid has such tiles, because the loop of
+// three widths measured 2% slower on a grid without them (fastvideo-bench-49k forward; bench/NOTES.md, v12).
+// The coarse pass (dense_schedule) never narrows: it has one partial block a row and column.
+template <int W> using step_width = std::integral_constant<int, W>;
+template <bool Narrow, class F> __device__ __forceinline__ void with_step_width(int valid, F&& f) {
+  if (!Narrow) {
+    f(step_width<tile_rows>{});
+  } else if (valid <= 16) {
+    f(step_width<16>{});
+  } else if (valid <= 32) {
+    f(step_width<32>{});
+  } else {
+    f(step_width<tile_rows>{});
+  }
+}
 
 struct dense_schedule {
   static constexpr bool has_padding_rows = false; // the last block's missing rows do not exist in memory
