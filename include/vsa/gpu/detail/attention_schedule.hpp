@@ -82,18 +82,20 @@ private:
 };
 
 // How many of a tile's 64 rows a step's products cover: its valid rows rounded up to 16, the matrix
-// instructions' step, as 16, 32 or 64 (48 rounds to 64, which keeps the variants of a loop to three). A
-// partial tile at the edge of the video holds 8 to 48 valid tokens (on wan2.1's 21 × 30 × 52 grid 169 of the
-// 624 tiles hold 8, 16 or 32), and past them there is only padding, whose scores the kernels would mask to a
-// zero probability: cut there, a step's products and exponentials shrink to a quarter or a half. The forward
-// and dq narrow their steps by the key tile. with_step_width calls f with the width
-// as a type (step_width<W>), so that each width is its own unrolled code. Narrow = false keeps one width, 64:
-// the kernels take it as a template parameter, set only where the grid has such tiles, because the loop of
-// three widths measured 2% slower on a grid without them (fastvideo-bench-49k forward; bench/NOTES.md, v12).
-// The coarse pass (dense_schedule) never narrows: it has one partial block a row and column.
+// instructions' step, as 16, 32 or 64 (33 to 48 round to 64, which keeps the variants of a loop to three). A
+// partial tile at the edge of the video holds 1 to 48 valid tokens (its extent along each axis is 1 to 4; on
+// wan2.1's 21 × 30 × 52 grid 169 of the 624 tiles hold 8, 16 or 32), and past them there is only padding,
+// whose scores the kernels would mask to a zero probability: cut there, a step's products and exponentials
+// shrink to a quarter or a half. The forward and dq narrow their steps by the key tile. with_step_width calls
+// f with the width as a type (step_width<W>), so that each width is its own unrolled code. Narrow = false
+// keeps one width, 64: the kernels take it as a template parameter, set only where the grid has such tiles,
+// because the loop of three widths measured 2% slower on a grid without them (fastvideo-bench-49k forward;
+// bench/NOTES.md, v12). The coarse pass (dense_schedule) never narrows: it has one partial block a row and
+// column.
 template <int W> using step_width = std::integral_constant<int, W>;
 template <bool Narrow, class F> __device__ __forceinline__ void with_step_width(int valid, F&& f) {
-  if (!Narrow) {
+  if constexpr (!Narrow) {
+    (void)valid;
     f(step_width<tile_rows>{});
   } else if (valid <= 16) {
     f(step_width<16>{});
