@@ -48,20 +48,19 @@ device_lists random_lists(const problem& p, int64_t k, uint64_t seed) {
 }
 
 // The fraction of the selected blocks' products the narrow steps compute: the mean of W/64 over the list
-// entries, W the valid rows of the key tile rounded up to 16, 32 or 64 (64 for every tile where the grid has
-// no tile of 32 valid tokens or fewer), as the kernels choose it.
+// entries, W the rows a step covers for the key tile (step_rows; 64 on a grid without narrow tiles), as the
+// kernels choose it.
 double narrow_work(const problem& p, const device_lists& l, int64_t k) {
   const tile_geometry geo(p.grid);
   const int64_t n = geo.num_tiles(), rows = p.batch * p.q_heads * n;
-  if (geo.valid(n - 1) > 32) return 1.0;
+  if (!gpu::detail::has_narrow_tiles(geo)) return 1.0;
   std::vector<int32_t> q2k(rows * k), count(rows);
   check(copy_to_host(q2k.data(), l.q2k.get(), q2k.size() * 4), "download");
   check(copy_to_host(count.data(), l.count.get(), count.size() * 4), "download");
   double sum = 0.0, entries = 0.0;
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t e = 0; e < count[r]; ++e) {
-      const int v = geo.valid(q2k[r * k + e]);
-      sum += v <= 16 ? 0.25 : v <= 32 ? 0.5 : 1.0;
+      sum += gpu::detail::step_rows(geo.valid(q2k[r * k + e])) / 64.0;
       entries += 1.0;
     }
   return entries > 0.0 ? sum / entries : 1.0;

@@ -150,7 +150,7 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads))
 
     // The step at the key tile's width (with_step_width): the products cover its valid rows rounded up to 16.
     with_step_width<Narrow>(kv, [&](auto width) {
-      constexpr int W = decltype(width)::value, n = M::score_elems * W / tile_rows;
+      constexpr int W = decltype(width)::value, n = step_elems<M, W>;
       typename M::score_tile st, dp;
 #pragma unroll
       for (int e = 0; e < n; ++e) st.x[e] = 0.f, dp.x[e] = 0.f;

@@ -30,8 +30,8 @@ struct forward_params {
 };
 
 // Narrow: steps over partial key tiles cover their valid rows only (with_step_width); the host sets it where the
-// grid has tiles of 32 valid tokens or fewer (sparse_schedule::has_narrow_tiles), so that a grid without them
-// runs the loop of one width.
+// grid has tiles of 32 valid tokens or fewer (has_narrow_tiles, attention_schedule.hpp), so that a grid without
+// them runs the loop of one width.
 template <class E, int D, class Sched, bool Narrow = false>
 __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blocks)
     attention_forward_kernel(const VSA_GRID_CONSTANT forward_params p, Sched s) {
@@ -130,7 +130,7 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
   // scores (a narrow step, with_step_width); the rest are not read. alpha is R floats (a pointer: a reference
   // to an array as a parameter of a generic lambda crashes the device front end of CUDA 13.0).
   const auto softmax = [&](auto width, typename M::score_tile& st, int kv_rows, float* alpha) {
-    constexpr int W = decltype(width)::value, n = M::score_elems * W / tile_rows;
+    constexpr int W = decltype(width)::value, n = step_elems<M, W>;
     if (kv_rows < W) {
 #pragma unroll
       for (int e = 0; e < n; ++e) st.x[e] = M::elem_col(e) < kv_rows ? st.x[e] : -inf;
@@ -249,7 +249,7 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
       // The step at the key tile's width (with_step_width): products, softmax and the clear of V's rows.
       with_step_width<Narrow>(kv, [&](auto width) {
         constexpr int W = decltype(width)::value;
-        [[maybe_unused]] constexpr int n = M::score_elems * W / tile_rows; // the elements of the first W columns
+        [[maybe_unused]] constexpr int n = step_elems<M, W>;
         typename M::score_tile st;
 #if VSA_WGMMA
         if (tma) kc.wait();

@@ -31,31 +31,20 @@ template <class Kernel> status prepare(Kernel k, int smem_bytes) {
   return runtime_status(allow_dynamic_shared(k, smem_bytes), "setting the kernel's shared-memory size");
 }
 
-// The kernels of a schedule: narrow steps (with_step_width) only for a sparse grid that has tiles they pay on.
-template <class Sched> bool narrow_steps(const Sched& s) {
-  if constexpr (Sched::few_blocks) {
-    return false;
-  } else {
-    return s.has_narrow_tiles();
-  }
-}
-template <class E, int D, class Sched> auto forward_kernel(const Sched& s) {
+// kernel_of(std::bool_constant<Narrow>) for the schedule: narrow steps (with_step_width) only for a sparse grid
+// that has tiles they pay on; the coarse pass never instantiates them.
+template <class Sched, class F> auto narrow_or_not(const Sched& s, F&& kernel_of) {
   if constexpr (!Sched::few_blocks) {
-    if (narrow_steps(s)) return attention_forward_kernel<E, D, Sched, true>;
+    if (has_narrow_tiles(s.geo)) return kernel_of(std::true_type{});
   }
-  return attention_forward_kernel<E, D, Sched, false>;
-}
-template <class E, int D, class Sched> auto dq_kernel(const Sched& s) {
-  if constexpr (!Sched::few_blocks) {
-    if (narrow_steps(s)) return attention_dq_kernel<E, D, Sched, true>;
-  }
-  return attention_dq_kernel<E, D, Sched, false>;
+  return kernel_of(std::false_type{});
 }
 
 template <class E, int D, class Sched>
 status launch_forward(const forward_params& fp, const Sched& s, int64_t batch, int64_t heads, stream_t stream) {
   using M = warp_mma<E, D>;
-  const auto kernel = forward_kernel<E, D>(s);
+  const auto kernel =
+      narrow_or_not(s, [](auto narrow) { return attention_forward_kernel<E, D, Sched, decltype(narrow)::value>; });
   bool hopper = false;
   status st = runs_as_hopper(kernel, hopper);
   if (!st) return st;
@@ -100,7 +89,8 @@ inline status launch_order(const order_params& op, stream_t stream) {
 template <class E, int D, class Sched> status launch_backward(const backward_params& bp, const Sched& q_sched,
                                                               const Sched& k_sched, int64_t batch, stream_t stream) {
   using M = warp_mma<E, D>;
-  const auto dq = dq_kernel<E, D>(q_sched);
+  const auto dq =
+      narrow_or_not(q_sched, [](auto narrow) { return attention_dq_kernel<E, D, Sched, decltype(narrow)::value>; });
   const auto dkdv = attention_dkdv_kernel<E, D, Sched>;
   bool hopper = false;
   status st = runs_as_hopper(dq, hopper);

@@ -71,9 +71,6 @@ struct sparse_schedule {
     __device__ __forceinline__ int valid(int64_t tile) const { return tile < 0 ? 0 : counter.valid(tile); }
   };
   __device__ __forceinline__ fast_valid valid_counter() const { return {tile_valid_counter(geo)}; }
-  // Whether some tile holds 32 valid tokens or fewer, so that narrow steps (with_step_width) pay: the last tile,
-  // at the far edge of every axis, holds the fewest.
-  bool has_narrow_tiles() const { return geo.valid(tiles - 1) <= 32; }
 
 private:
   __device__ __forceinline__ static int64_t clamp(int64_t x, int64_t lo, int64_t hi) {
@@ -92,12 +89,18 @@ private:
 // because the loop of three widths measured 2% slower on a grid without them (fastvideo-bench-49k forward;
 // bench/NOTES.md, v12). The coarse pass (dense_schedule) never narrows: it has one partial block a row and
 // column.
+// step_rows is the rule, for whoever counts the kernels' work (the benchmarks); with_step_width branches on it.
+VSA_HOST_DEVICE constexpr int step_rows(int valid) { return valid <= 16 ? 16 : valid <= 32 ? 32 : tile_rows; }
+// Whether a grid has tiles that narrow steps pay on: its last tile, at the far edge of every axis, holds the fewest.
+inline bool has_narrow_tiles(const tile_geometry& geo) { return step_rows(geo.valid(geo.num_tiles() - 1)) < tile_rows; }
 template <int W> using step_width = std::integral_constant<int, W>;
+// The elements of a score tile of M that hold its first W columns (matrix.hpp).
+template <class M, int W> inline constexpr int step_elems = (W * M::score_elems) / tile_rows;
 template <bool Narrow, class F> __device__ __forceinline__ void with_step_width(int valid, F&& f) {
   if constexpr (!Narrow) {
     (void)valid;
     f(step_width<tile_rows>{});
-  } else if (valid <= 16) {
+  } else if (valid <= 16) { // step_rows, as branches (through step_rows, sm_80 code gained selects a step)
     f(step_width<16>{});
   } else if (valid <= 32) {
     f(step_width<32>{});
