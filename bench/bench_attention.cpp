@@ -108,12 +108,13 @@ device_lists data_lists(const inputs& in) {
   const float scale = 1.f / std::sqrt(float(d));
   buffer q_c(p.batch * p.q_heads * n * d * 2), k_c(p.batch * p.kv_heads * n * d * 2),
       v_c(p.batch * p.kv_heads * n * d * 2), o_c(p.batch * p.q_heads * n * d * 2), lse_c(rows * 4),
-      scores(rows * n * 4);
+      scores(rows * n * 4), q_c32(p.batch * p.q_heads * n * d * 4), k_c32(p.batch * p.kv_heads * n * d * 4);
   check(block_means(p, as_const(in.view(in.q, p.q_heads)), as_const(in.view(in.kk, p.kv_heads)),
-                    as_const(in.view(in.v, p.kv_heads)), q_c.get(), k_c.get(), v_c.get(), nullptr),
+                    as_const(in.view(in.v, p.kv_heads)), q_c.get(), k_c.get(), v_c.get(), q_c32.get<float>(),
+                    k_c32.get<float>(), nullptr),
         "block_means");
-  check(coarse_attention(p, scale, q_c.get(), k_c.get(), v_c.get(), scores.get<float>(), o_c.get(), lse_c.get<float>(),
-                         nullptr),
+  check(coarse_scores(p, scale, q_c32.get<float>(), k_c32.get<float>(), scores.get<float>(), nullptr), "coarse_scores");
+  check(coarse_attention(p, scores.get<float>(), v_c.get(), o_c.get(), nullptr, lse_c.get<float>(), nullptr),
         "coarse_attention");
   device_lists l{buffer(rows * in.k * 4), buffer(rows * 4), buffer(rows * in.k * 4),
                  buffer(p.batch * p.q_heads * (n + 1) * 4)};

@@ -76,7 +76,7 @@ void combine_stage(benchmark::State& state, const shape& s, bool backward) {
 
 struct means_inputs {
   stage_inputs in;
-  buffer q, k, v, q_c, k_c, v_c;
+  buffer q, k, v, q_c, k_c, v_c, q_c32, k_c32;
   explicit means_inputs(const shape& s) : in(s) {
     const int64_t per_head = in.p.batch * in.tokens * in.p.head_dim;
     q = random_elements(per_head * in.p.q_heads, in.p.type, 6);
@@ -85,16 +85,21 @@ struct means_inputs {
     q_c = buffer(static_cast<std::size_t>(in.means_bytes(in.p.q_heads)));
     k_c = buffer(static_cast<std::size_t>(in.means_bytes(in.p.kv_heads)));
     v_c = buffer(static_cast<std::size_t>(in.means_bytes(in.p.kv_heads)));
+    const int64_t per_tile = in.p.batch * in.n * in.p.head_dim * 4;
+    q_c32 = buffer(static_cast<std::size_t>(per_tile * in.p.q_heads));
+    k_c32 = buffer(static_cast<std::size_t>(per_tile * in.p.kv_heads));
   }
+  // As the op runs it: with the fp32 means of q and k that the coarse scores take.
   void run() {
     check(block_means(in.p, as_const(in.view(q, in.tokens, in.p.q_heads)),
                       as_const(in.view(k, in.tokens, in.p.kv_heads)), as_const(in.view(v, in.tokens, in.p.kv_heads)),
-                      q_c.get(), k_c.get(), v_c.get(), nullptr),
+                      q_c.get(), k_c.get(), v_c.get(), q_c32.get<float>(), k_c32.get<float>(), nullptr),
           "block_means");
   }
   double bytes() const {
     const int64_t heads = in.p.q_heads + 2 * in.p.kv_heads;
-    return in.bytes(in.raster_tokens, heads) + in.means_bytes(heads);
+    return in.bytes(in.raster_tokens, heads) + in.means_bytes(heads) +
+           double(in.p.batch * in.n * in.p.head_dim * 4 * (in.p.q_heads + in.p.kv_heads));
   }
 };
 
@@ -160,10 +165,13 @@ struct coarse_inputs {
   explicit coarse_inputs(const shape& s)
       : m(s), sel(s), o_c(static_cast<std::size_t>(m.in.means_bytes(m.in.p.q_heads))),
         lse_c(m.in.p.batch * m.in.p.q_heads * m.in.n * 4), scale(1.f / std::sqrt(float(m.in.p.head_dim))) {}
+  // The scores from the fp32 means, then the attention over them: the coarse stage of the op.
   void coarse() {
-    check(coarse_attention(m.in.p, scale, m.q_c.get(), m.k_c.get(), m.v_c.get(), sel.scores.get<float>(), o_c.get(),
-                           lse_c.get<float>(), nullptr),
-          "coarse_attention");
+    check(coarse_scores(m.in.p, scale, m.q_c32.get<float>(), m.k_c32.get<float>(), sel.scores.get<float>(), nullptr),
+          "coarse_scores");
+    check(
+        coarse_attention(m.in.p, sel.scores.get<float>(), m.v_c.get(), o_c.get(), nullptr, lse_c.get<float>(), nullptr),
+        "coarse_attention");
   }
 };
 

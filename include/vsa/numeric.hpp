@@ -5,10 +5,14 @@
 
 #include "types.hpp"
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
 namespace vsa {
+
+// log2(e): the kernels' softmax runs in base 2, with the scale folded into the exponent as scale · log2(e).
+inline constexpr float log2_e = 1.4426950408889634f;
 
 namespace detail {
 VSA_HOST_DEVICE inline uint32_t float_bits(float f) {
@@ -67,6 +71,38 @@ VSA_HOST_DEVICE inline uint16_t float_to_fp16(float f) {
   const uint32_t rest = a & 0x1fffu;
   if (rest > 0x1000u || (rest == 0x1000u && (r & 1u))) ++r;
   return static_cast<uint16_t>(sign | r);
+}
+
+// What rounding to 16 bits lost, kept in one signed byte: the op's forward stores o = o_s + g ⊙ o_c rounded,
+// and its backward needs Σ dO ⊙ o_s far more precisely than the rounded o gives it back (the accuracy note in
+// README.md). The byte holds x − round(x) in steps of 2^-8 of round(x)'s last place, so x comes back to
+// within 2^-9 of a last place: 256 times closer than the 16-bit value alone, at half its size.
+//
+// The step is a power of two taken from round(x)'s exponent, so both the encoding's scaling and the decoding
+// are exact. Below the smallest normal exponent (fp16: 2^-14, where its subnormals keep one last place) the
+// exponent is held there; bf16 holds it at 2^-100, below which no output's error matters, so that the step
+// stays a normal float. |x − round(x)| is at most half a last place, 128 steps, clamped to 127: within half a
+// step of a tie x comes back to within a whole step. A NaN or infinite x gives a code that decodes to round(x)
+// unchanged in kind.
+namespace detail {
+// The residual step of `rounded` in type t (inverse: its reciprocal), 2^(e − mantissa bits − 8).
+VSA_HOST_DEVICE inline float residual_scale(float rounded, dtype t, bool inverse) {
+  const int mantissa = t == dtype::fp16 ? 10 : 7, lowest = t == dtype::fp16 ? -14 : -100;
+  const int e = static_cast<int>((float_bits(rounded) >> 23) & 0xffu) - 127; // -127 for zero and subnormals
+  const int step = (e < lowest ? lowest : e) - mantissa - 8;
+  return bits_float(static_cast<uint32_t>((inverse ? -step : step) + 127) << 23);
+}
+} // namespace detail
+
+// t: bf16 or fp16, the type `rounded` was rounded to.
+VSA_HOST_DEVICE inline int8_t residual_encode(float exact, float rounded, dtype t) {
+  const float steps = (exact - rounded) * detail::residual_scale(rounded, t, true);
+  // fmaxf takes the number when the other operand is NaN, so NaN lands on a bound and rintf sees a number.
+  const float code = fminf(fmaxf(steps, -127.0f), 127.0f);
+  return static_cast<int8_t>(rintf(code));
+}
+VSA_HOST_DEVICE inline float residual_decode(int8_t code, float rounded, dtype t) {
+  return rounded + static_cast<float>(code) * detail::residual_scale(rounded, t, false);
 }
 
 // Element `index` of a buffer of type t, widened to double.

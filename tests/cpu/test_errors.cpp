@@ -104,11 +104,14 @@ struct world {
     r.emplace_back("untile", reference::untile(pp, pp.q_heads, q.cview(), rq.view()));
     r.emplace_back("block_means",
                    reference::block_means(pp, q.cview(), k.cview(), v.cview(), q_c.data(), k_c.data(), v_c.data()));
-    r.emplace_back("coarse_attention", reference::coarse_attention(pp, scale, q_c.data(), k_c.data(), v_c.data(),
-                                                                   scores.data(), o_c.data(), lse_c.data()));
-    r.emplace_back("coarse_attention_backward", reference::coarse_attention_backward(
-                                                    pp, scale, q_c.data(), k_c.data(), v_c.data(), o_c.data(),
-                                                    d_o_c.data(), lse_c.data(), dq_c.data(), dk_c.data(), dv_c.data()));
+    // The fp32 means of the scores: any float arrays of their size (the calls must reject before reading them).
+    r.emplace_back("coarse_scores", reference::coarse_scores(pp, scale, dq_c.data(), dk_c.data(), scores.data()));
+    r.emplace_back("coarse_attention",
+                   reference::coarse_attention(pp, scores.data(), v_c.data(), o_c.data(), nullptr, lse_c.data()));
+    r.emplace_back("coarse_attention_backward",
+                   reference::coarse_attention_backward(pp, scale, q_c.data(), k_c.data(), v_c.data(), scores.data(),
+                                                        o_c.data(), nullptr, d_o_c.data(), lse_c.data(), dq_c.data(),
+                                                        dk_c.data(), dv_c.data()));
     r.emplace_back("select_top_k", reference::select_top_k(pp, top_k, scores.data(), idx));
     r.emplace_back("build_k2q", reference::build_k2q(pp, idx));
     r.emplace_back("sparse_attention_forward",
@@ -324,10 +327,11 @@ TEST_CASE("bad tensors, options and lists are rejected by name with outputs unto
          errc::null_pointer, "lse");
   expect(reference::block_means(p, w.q.cview(), w.k.cview(), w.v.cview(), w.q_c.data(), nullptr, w.v_c.data()),
          errc::null_pointer, "k_c");
-  expect(reference::coarse_attention(p, 0.5f, w.q_c.data(), w.k_c.data(), w.v_c.data(), nullptr, w.o_c.data(),
-                                     w.lse_c.data()),
+  expect(reference::coarse_scores(p, 0.5f, w.dq_c.data(), w.dk_c.data(), nullptr), errc::null_pointer, "scores");
+  expect(reference::coarse_scores(p, 0.5f, nullptr, w.dk_c.data(), w.scores.data()), errc::null_pointer, "q_c");
+  expect(reference::coarse_attention(p, nullptr, w.v_c.data(), w.o_c.data(), nullptr, w.lse_c.data()),
          errc::null_pointer, "scores");
-  expect(reference::coarse_attention(p, 0.5f, w.q_c.data(), w.k_c.data(), w.v_c.data(), w.scores.data(), w.o_c.data(),
+  expect(reference::coarse_attention(p, w.scores.data(), w.v_c.data(), w.o_c.data(), nullptr,
                                      reinterpret_cast<float*>(reinterpret_cast<char*>(w.lse_c.data()) + 1)),
          errc::misaligned_pointer, "lse_c");
 }

@@ -153,3 +153,44 @@ TEST_CASE("load and store every dtype", "[cpu][numeric]") {
   CHECK(round_to(1e300, dtype::f32) == INFINITY);
   CHECK(round_to(1e300, dtype::f64) == 1e300);
 }
+
+TEST_CASE("the rounding residual brings a value back to within 2^-9 of its last place", "[cpu][numeric]") {
+  VSA_TEST_RNG(g, "numeric residual");
+  for (dtype t : {dtype::bf16, dtype::fp16}) {
+    INFO(dtype_name(t));
+    const int m = t == dtype::fp16 ? 10 : 7, lowest = t == dtype::fp16 ? -14 : -100;
+    int64_t checked = 0;
+    for (int trial = 0; trial < 400000; ++trial) {
+      // Magnitudes across the type's whole range, its subnormals included, both signs.
+      const double magnitude = std::ldexp(1.0, static_cast<int>(g.integer(t == dtype::fp16 ? -26 : -99, 15)));
+      const float x = static_cast<float>(g.uniform(-2.0, 2.0) * magnitude);
+      const float r = static_cast<float>(round_to(x, t));
+      if (std::isinf(r)) continue;
+      const float back = residual_decode(residual_encode(x, r, t), r, t);
+      // r's last place: 2^(e - m) for r's exponent e, held where residual_scale holds it.
+      int e = lowest + 1;
+      if (r != 0.f) std::frexp(r, &e);
+      const double ulp = std::ldexp(1.0, std::max(e - 1, lowest) - m);
+      // Half a step (2^-8 of a last place), or a whole one where |x - r| is within half a step of the tie
+      // and the code is clamped to 127.
+      const double step = ulp / 256.0, lost = std::fabs(double(x) - double(r));
+      REQUIRE(std::fabs(double(back) - double(x)) <= (lost > 127.5 * step ? step : step / 2));
+      // Not merely the rounded value: the residual carries what rounding lost whenever it lost a step's worth.
+      if (lost > step) REQUIRE(back != r);
+      ++checked;
+    }
+    CHECK(checked > 300000);
+    // A tie (exactly half a last place) clamps to 127 steps, half a step further off than the rest.
+    const float tie = 1.0f + std::ldexp(1.0f, -m - 1), tie_r = static_cast<float>(round_to(tie, t));
+    CHECK(residual_encode(tie, tie_r, t) == 127);
+    CHECK(std::fabs(residual_decode(127, tie_r, t) - tie) <= std::ldexp(1.0f, -m - 8));
+    // Exact values, NaN and infinity: nothing added that changes them in kind.
+    CHECK(residual_encode(1.5f, 1.5f, t) == 0);
+    CHECK(residual_encode(0.f, 0.f, t) == 0);
+    const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+    CHECK(std::isnan(residual_decode(residual_encode(nan, nan, t), nan, t)));
+    CHECK(residual_decode(residual_encode(inf, inf, t), inf, t) == inf);
+    CHECK(residual_decode(residual_encode(-inf, -inf, t), -inf, t) == -inf);
+    CHECK(residual_decode(residual_encode(7e4f, inf, t), inf, t) == inf);
+  }
+}

@@ -162,23 +162,37 @@ TEST_CASE("the op equals its stages run one after another", "[cpu][op]") {
     const op_result r = run_op(p, opt, x, true, &d_o);
 
     host_tensor q_c(t, 2, n, 4, 16, layout::bhsd), k_c(t, 2, n, 2, 16, layout::bhsd), v_c(t, 2, n, 2, 16, layout::bhsd),
-        o_c(t, 2, n, 4, 16, layout::bhsd);
-    REQUIRE(
-        reference::block_means(p, x.q.cview(), x.k.cview(), x.v.cview(), q_c.data(), k_c.data(), v_c.data()).is_ok());
+        o_c(t, 2, n, 4, 16, layout::bhsd), q_c32(dtype::f32, 2, n, 4, 16, layout::bhsd),
+        k_c32(dtype::f32, 2, n, 2, 16, layout::bhsd);
+    REQUIRE(reference::block_means(p, x.q.cview(), x.k.cview(), x.v.cview(), q_c.data(), k_c.data(), v_c.data(),
+                                   static_cast<float*>(q_c32.data()), static_cast<float*>(k_c32.data()))
+                .is_ok());
     std::vector<float> scores(static_cast<std::size_t>(2 * 4 * n * n)), lse_c(static_cast<std::size_t>(2 * 4 * n)),
         lse(static_cast<std::size_t>(2 * 4 * slots));
-    REQUIRE(reference::coarse_attention(p, 0.3f, q_c.data(), k_c.data(), v_c.data(), scores.data(), o_c.data(),
-                                        lse_c.data())
+    REQUIRE(reference::coarse_scores(p, 0.3f, static_cast<const float*>(q_c32.data()),
+                                     static_cast<const float*>(k_c32.data()), scores.data())
                 .is_ok());
+    REQUIRE(reference::coarse_attention(p, scores.data(), v_c.data(), o_c.data(), nullptr, lse_c.data()).is_ok());
     std::vector<int32_t> q2k(static_cast<std::size_t>(2 * 4 * n * 4)), count(static_cast<std::size_t>(2 * 4 * n));
     const index_lists lists{q2k.data(), count.data(), 4, nullptr, nullptr};
     REQUIRE(reference::select_top_k(p, 4, scores.data(), lists).is_ok());
-    host_tensor o_s(t, 2, slots, 4, 16), o(t, 2, slots, 4, 16);
+    host_tensor o_s(t, 2, slots, 4, 16);
     REQUIRE(reference::sparse_attention_forward(p, 0.3f, x.q.cview(), x.k.cview(), x.v.cview(), as_const(lists),
                                                 o_s.view(), lse.data())
                 .is_ok());
-    REQUIRE(reference::combine(p, o_s.cview(), x.gate.cview(), o_c.data(), o.view()).is_ok());
-    CHECK(o.bytes == r.o.bytes);
+    // The op adds the coarse term to o_s before rounding it, as the GPU's epilogue does: its o is the f64
+    // combination of the f64 fine pass, rounded once.
+    {
+      problem p64 = p;
+      p64.type = dtype::f64;
+      const auto f64 = [](const host_tensor& h) { return h.converted(dtype::f64, h.order); };
+      host_tensor o_s64(dtype::f64, 2, slots, 4, 16), o64(dtype::f64, 2, slots, 4, 16);
+      REQUIRE(reference::sparse_attention_forward(p64, 0.3f, f64(x.q).cview(), f64(x.k).cview(), f64(x.v).cview(),
+                                                  as_const(lists), o_s64.view(), lse.data())
+                  .is_ok());
+      REQUIRE(reference::combine(p64, o_s64.cview(), f64(x.gate).cview(), f64(o_c).data(), o64.view()).is_ok());
+      CHECK(o64.converted(t, layout::bshd).bytes == r.o.bytes);
+    }
 
     if (t != dtype::f32) continue; // the stages round their gradients to p.type; compare where that is benign
     host_tensor dq(t, 2, slots, 4, 16), dk(t, 2, slots, 2, 16), dv(t, 2, slots, 2, 16), dgate(t, 2, slots, 4, 16),
@@ -191,8 +205,8 @@ TEST_CASE("the op equals its stages run one after another", "[cpu][op]") {
         reference::combine_backward(p, d_o.cview(), x.gate.cview(), o_c.data(), dgate.view(), d_o_c.data()).is_ok());
     host_tensor dq_c(dtype::f32, 2, n, 4, 16, layout::bhsd), dk_c(dtype::f32, 2, n, 2, 16, layout::bhsd),
         dv_c(dtype::f32, 2, n, 2, 16, layout::bhsd);
-    REQUIRE(reference::coarse_attention_backward(p, 0.3f, q_c.data(), k_c.data(), v_c.data(), o_c.data(), d_o_c.data(),
-                                                 lse_c.data(), static_cast<float*>(dq_c.data()),
+    REQUIRE(reference::coarse_attention_backward(p, 0.3f, q_c.data(), k_c.data(), v_c.data(), scores.data(), o_c.data(),
+                                                 nullptr, d_o_c.data(), lse_c.data(), static_cast<float*>(dq_c.data()),
                                                  static_cast<float*>(dk_c.data()), static_cast<float*>(dv_c.data()))
                 .is_ok());
     const auto add_means = [&](host_tensor& grad, const host_tensor& grad_c) {
@@ -226,12 +240,14 @@ TEST_CASE("the op backward matches finite differences of the whole op", "[cpu][o
     REQUIRE(attempt < 20);
     x = random_op(p, g);
     host_tensor q_c(p.type, 1, n, 2, 8, layout::bhsd), k_c(p.type, 1, n, 1, 8, layout::bhsd),
-        v_c(p.type, 1, n, 1, 8, layout::bhsd), o_c(p.type, 1, n, 2, 8, layout::bhsd);
-    REQUIRE(
-        reference::block_means(p, x.q.cview(), x.k.cview(), x.v.cview(), q_c.data(), k_c.data(), v_c.data()).is_ok());
-    std::vector<float> scores(static_cast<std::size_t>(2 * n * n)), lse_c(static_cast<std::size_t>(2 * n));
-    REQUIRE(reference::coarse_attention(p, reference::resolve_scale(p, opt), q_c.data(), k_c.data(), v_c.data(),
-                                        scores.data(), o_c.data(), lse_c.data())
+        v_c(p.type, 1, n, 1, 8, layout::bhsd), q_c32(dtype::f32, 1, n, 2, 8, layout::bhsd),
+        k_c32(dtype::f32, 1, n, 1, 8, layout::bhsd);
+    REQUIRE(reference::block_means(p, x.q.cview(), x.k.cview(), x.v.cview(), q_c.data(), k_c.data(), v_c.data(),
+                                   static_cast<float*>(q_c32.data()), static_cast<float*>(k_c32.data()))
+                .is_ok());
+    std::vector<float> scores(static_cast<std::size_t>(2 * n * n));
+    REQUIRE(reference::coarse_scores(p, reference::resolve_scale(p, opt), static_cast<const float*>(q_c32.data()),
+                                     static_cast<const float*>(k_c32.data()), scores.data())
                 .is_ok());
     double margin = INFINITY;
     for (int64_t row = 0; row < 2 * n; ++row) {

@@ -248,64 +248,82 @@ TEST_CASE("sparse attention with k = N is dense attention", "[gpu][attention]") 
   CHECK(error_of(o, ref) < tolerance);
 }
 
-TEST_CASE("coarse attention matches the reference", "[gpu][coarse]") {
+TEST_CASE("coarse scores and coarse attention match the reference", "[gpu][coarse]") {
   for (const config& c : configs()) {
     const problem p = to_problem(c);
     VSA_TEST_RNG(g, "coarse");
     INFO(describe(c));
     const int64_t n = tile_geometry(p.grid).num_tiles();
     const int64_t eq = p.batch * p.q_heads * n * p.head_dim, ek = p.batch * p.kv_heads * n * p.head_dim;
-    // Means as the GPU would produce them: random values in the dtype, contiguous [B, H, N, D].
-    host_tensor q_c(c.type, p.batch, n, p.q_heads, p.head_dim, layout::bhsd),
-        k_c(c.type, p.batch, n, p.kv_heads, p.head_dim, layout::bhsd),
+    // Means as the GPU would produce them, contiguous [B, H, N, D]: q and k in fp32 for the scores and the same
+    // values in the dtype for the products of the backward, at the size of the means of few large tokens
+    // (scores in the hundreds), where one bf16 product of them would miss by whole units.
+    host_tensor q32(dtype::f32, p.batch, n, p.q_heads, p.head_dim, layout::bhsd),
+        k32(dtype::f32, p.batch, n, p.kv_heads, p.head_dim, layout::bhsd),
         v_c(c.type, p.batch, n, p.kv_heads, p.head_dim, layout::bhsd),
         d_o_c(c.type, p.batch, n, p.q_heads, p.head_dim, layout::bhsd);
-    q_c.fill_normal(g, 2.0);
-    k_c.fill_normal(g, 2.0);
+    q32.fill_normal(g, 8.0);
+    k32.fill_normal(g, 8.0);
     v_c.fill_normal(g);
     d_o_c.fill_normal(g);
+    const host_tensor q_c = q32.converted(c.type, layout::bhsd), k_c = k32.converted(c.type, layout::bhsd);
     const float scale = 1.f / std::sqrt(float(c.head_dim));
     host_tensor o_ref(c.type, p.batch, n, p.q_heads, p.head_dim, layout::bhsd);
     std::vector<float> scores_ref(p.batch * p.q_heads * n * n), lse_ref(p.batch * p.q_heads * n);
-    REQUIRE(reference::coarse_attention(p, scale, q_c.data(), k_c.data(), v_c.data(), scores_ref.data(), o_ref.data(),
-                                        lse_ref.data())
-                .is_ok());
-    const device_tensor dqc(q_c), dkc(k_c), dvc(v_c), ddoc(d_o_c);
-    device_tensor o(o_ref, poisoned);
+    const auto f32 = [](const host_tensor& x) { return static_cast<const float*>(x.data()); };
+    REQUIRE(reference::coarse_scores(p, scale, f32(q32), f32(k32), scores_ref.data()).is_ok());
+    const device_tensor dq32(q32), dk32(k32), dqc(q_c), dkc(k_c), dvc(v_c), ddoc(d_o_c);
     device_buffer scores(scores_ref.size() * 4), lse(lse_ref.size() * 4);
     scores.poison();
     lse.poison();
-    REQUIRE(coarse_attention(p, scale, dqc.raw(), dkc.raw(), dvc.raw(), scores.as<float>(), o.raw(), lse.as<float>(),
-                             nullptr)
+    REQUIRE(coarse_scores(p, scale, static_cast<const float*>(dq32.raw()), static_cast<const float*>(dk32.raw()),
+                          scores.as<float>(), nullptr)
+                .is_ok());
+    VSA_REQUIRE_RT(gpu_sync());
+    CHECK(scores.canaries_intact());
+    const auto s_gpu = scores.download<float>();
+    const auto as_double = [](const std::vector<float>& x) { return std::vector<double>(x.begin(), x.end()); };
+    CHECK(count_poisoned_elements(scores.download_bytes(), 4) == 0);
+    CHECK(rel_error(as_double(s_gpu), as_double(scores_ref)) < 3e-5);
+
+    // The attention over the GPU's scores, on both sides, with o_c's rounding residual (poisoned with -128, a
+    // code the encoding never gives).
+    std::vector<int8_t> res_ref(eq);
+    REQUIRE(
+        reference::coarse_attention(p, s_gpu.data(), v_c.data(), o_ref.data(), res_ref.data(), lse_ref.data()).is_ok());
+    device_tensor o(o_ref, poisoned);
+    device_buffer res(eq);
+    res.fill(0x80);
+    REQUIRE(coarse_attention(p, scores.as<float>(), dvc.raw(), o.raw(), res.as<int8_t>(), lse.as<float>(), nullptr)
                 .is_ok());
     VSA_REQUIRE_RT(gpu_sync());
     CHECK(o.all_written());
     CHECK(o.canaries_intact());
+    CHECK(res.canaries_intact());
+    const std::vector<int8_t> res_gpu = res.download<int8_t>();
+    CHECK(std::count(res_gpu.begin(), res_gpu.end(), int8_t(-128)) == 0);
     CHECK(error_of(o, o_ref) < tolerance);
-    const auto s_gpu = scores.download<float>(), l_gpu = lse.download<float>();
-    CHECK(rel_error(std::vector<double>(s_gpu.begin(), s_gpu.end()),
-                    std::vector<double>(scores_ref.begin(), scores_ref.end())) < 1e-5);
-    CHECK(rel_error(std::vector<double>(l_gpu.begin(), l_gpu.end()),
-                    std::vector<double>(lse_ref.begin(), lse_ref.end())) < 1e-5);
+    const auto l_gpu = lse.download<float>();
+    CHECK(rel_error(as_double(l_gpu), as_double(lse_ref)) < 1e-5);
 
     std::vector<float> dq_ref(eq), dk_ref(ek), dv_ref(ek);
-    REQUIRE(reference::coarse_attention_backward(p, scale, q_c.data(), k_c.data(), v_c.data(), o_ref.data(),
-                                                 d_o_c.data(), lse_ref.data(), dq_ref.data(), dk_ref.data(),
-                                                 dv_ref.data())
+    REQUIRE(reference::coarse_attention_backward(p, scale, q_c.data(), k_c.data(), v_c.data(), s_gpu.data(),
+                                                 o_ref.data(), res_ref.data(), d_o_c.data(), lse_ref.data(),
+                                                 dq_ref.data(), dk_ref.data(), dv_ref.data())
                 .is_ok());
     std::size_t bytes = 0;
     REQUIRE(coarse_attention_backward(p, scale, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
-                                      nullptr, nullptr, bytes, nullptr)
+                                      nullptr, nullptr, nullptr, nullptr, bytes, nullptr)
                 .is_ok());
     device_buffer ws(bytes), dq(eq * 4), dk(ek * 4), dv(ek * 4);
     dq.poison();
     dk.poison();
     dv.poison();
-    REQUIRE(coarse_attention_backward(p, scale, dqc.raw(), dkc.raw(), dvc.raw(), o.raw(), ddoc.raw(), lse.as<float>(),
-                                      dq.as<float>(), dk.as<float>(), dv.as<float>(), ws.get(), bytes, nullptr)
+    REQUIRE(coarse_attention_backward(p, scale, dqc.raw(), dkc.raw(), dvc.raw(), scores.as<float>(), o.raw(),
+                                      res.as<int8_t>(), ddoc.raw(), lse.as<float>(), dq.as<float>(), dk.as<float>(),
+                                      dv.as<float>(), ws.get(), bytes, nullptr)
                 .is_ok());
     VSA_REQUIRE_RT(gpu_sync());
-    const auto as_double = [](const std::vector<float>& x) { return std::vector<double>(x.begin(), x.end()); };
     CHECK(rel_error(as_double(dq.download<float>()), as_double(dq_ref)) < tolerance);
     CHECK(rel_error(as_double(dk.download<float>()), as_double(dk_ref)) < tolerance);
     CHECK(rel_error(as_double(dv.download<float>()), as_double(dv_ref)) < tolerance);
@@ -381,14 +399,16 @@ TEST_CASE("the whole op matches the reference stages", "[gpu][op]") {
       const int64_t eq = p.batch * p.q_heads * n * p.head_dim, ek = p.batch * p.kv_heads * n * p.head_dim;
       const std::size_t es = dtype_size(c.type);
       std::vector<unsigned char> q_c(eq * es), k_c(ek * es), v_c(ek * es), o_c(eq * es);
-      std::vector<float> scores_ref(p.batch * p.q_heads * n * n), lse_c(p.batch * p.q_heads * n),
+      std::vector<float> q_c32(eq), k_c32(ek), scores_ref(p.batch * p.q_heads * n * n), lse_c(p.batch * p.q_heads * n),
           lse(p.batch * p.q_heads * tokens);
-      REQUIRE(reference::block_means(p, q.view(), k.view(), v.view(), q_c.data(), k_c.data(), v_c.data()).is_ok());
-      REQUIRE(reference::coarse_attention(p, scale, q_c.data(), k_c.data(), v_c.data(), scores_ref.data(), o_c.data(),
-                                          lse_c.data())
+      REQUIRE(reference::block_means(p, q.view(), k.view(), v.view(), q_c.data(), k_c.data(), v_c.data(), q_c32.data(),
+                                     k_c32.data())
                   .is_ok());
+      REQUIRE(reference::coarse_scores(p, scale, q_c32.data(), k_c32.data(), scores_ref.data()).is_ok());
       CHECK(rel_error(std::vector<double>(scores.begin(), scores.end()),
-                      std::vector<double>(scores_ref.begin(), scores_ref.end())) < 1e-2);
+                      std::vector<double>(scores_ref.begin(), scores_ref.end())) < 3e-5);
+      // The rest on the GPU's scores, so that the selection above and the coarse branch below see the same.
+      REQUIRE(reference::coarse_attention(p, scores.data(), v_c.data(), o_c.data(), nullptr, lse_c.data()).is_ok());
       host_tensor o_s(c.type, c.batch, tokens, p.q_heads, c.head_dim, c.order),
           o_ref(c.type, c.batch, tokens, p.q_heads, c.head_dim, c.order);
       REQUIRE(reference::sparse_attention_forward(p, scale, q.view(), k.view(), v.view(), as_const(sel.view()),
@@ -408,8 +428,9 @@ TEST_CASE("the whole op matches the reference stages", "[gpu][op]") {
       REQUIRE(reference::combine_backward(p, d_o.view(), gated ? gate.cview() : const_tensor{}, o_c.data(),
                                           gated ? dg_ref.view() : tensor{}, d_o_c.data())
                   .is_ok());
-      REQUIRE(reference::coarse_attention_backward(p, scale, q_c.data(), k_c.data(), v_c.data(), o_c.data(),
-                                                   d_o_c.data(), lse_c.data(), dq_c.data(), dk_c.data(), dv_c.data())
+      REQUIRE(reference::coarse_attention_backward(p, scale, q_c.data(), k_c.data(), v_c.data(), scores.data(),
+                                                   o_c.data(), nullptr, d_o_c.data(), lse_c.data(), dq_c.data(),
+                                                   dk_c.data(), dv_c.data())
                   .is_ok());
       REQUIRE(reference::sparse_attention_backward(p, scale, q.view(), k.view(), v.view(), o_s.view(), d_o.view(),
                                                    lse.data(), as_const(sel.view()), dq_ref.view(), dk_ref.view(),

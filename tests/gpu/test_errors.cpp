@@ -358,33 +358,37 @@ TEST_CASE("block_means rejects bad arguments untouched", "[gpu][errors]") {
             false);
 }
 
+// The fp32 means of coarse_scores: the dq_c and dk_c buffers, which have their size.
+TEST_CASE("coarse_scores rejects bad arguments untouched", "[gpu][errors]") {
+  const entry_point call = [](arguments& a) { return coarse_scores(a.p, a.scale, a.dq_c, a.dk_c, a.scores, nullptr); };
+  run_cases(call,
+            join(problem_cases(), scale_cases(&arguments::scale), pointer_cases("q_c", &arguments::dq_c),
+                 pointer_cases("k_c", &arguments::dk_c), pointer_cases("scores", &arguments::scores)),
+            false);
+}
+
 TEST_CASE("coarse_attention rejects bad arguments untouched", "[gpu][errors]") {
   const entry_point call = [](arguments& a) {
-    return coarse_attention(a.p, a.scale, a.q_c, a.k_c, a.v_c, a.scores, a.o_c, a.lse_c, nullptr);
-  };
-  std::vector<bad_case> scores = {
-      {"scores misaligned",
-       [](arguments& a) { a.scores = reinterpret_cast<float*>(reinterpret_cast<char*>(a.scores) + 2); },
-       errc::misaligned_pointer, "scores", true},
+    return coarse_attention(a.p, a.scores, a.v_c, a.o_c, nullptr, a.lse_c, nullptr);
   };
   run_cases(call,
-            join(problem_cases(), scale_cases(&arguments::scale), pointer_cases("q_c", &arguments::q_c),
-                 pointer_cases("k_c", &arguments::k_c), pointer_cases("v_c", &arguments::v_c),
-                 pointer_cases("o_c", &arguments::o_c), pointer_cases("lse_c", &arguments::lse_c), scores),
+            join(problem_cases(), pointer_cases("scores", &arguments::scores), pointer_cases("v_c", &arguments::v_c),
+                 pointer_cases("o_c", &arguments::o_c), pointer_cases("lse_c", &arguments::lse_c)),
             false);
 }
 
 TEST_CASE("coarse_attention_backward rejects bad arguments untouched", "[gpu][errors]") {
   const entry_point call = [](arguments& a) {
-    return coarse_attention_backward(a.p, a.scale, a.q_c, a.k_c, a.v_c, a.o_c, a.d_o_c, a.lse_c, a.dq_c, a.dk_c, a.dv_c,
-                                     a.workspace, a.workspace_bytes, nullptr);
+    return coarse_attention_backward(a.p, a.scale, a.q_c, a.k_c, a.v_c, a.scores, a.o_c, nullptr, a.d_o_c, a.lse_c,
+                                     a.dq_c, a.dk_c, a.dv_c, a.workspace, a.workspace_bytes, nullptr);
   };
   run_cases(call,
             join(problem_cases(), scale_cases(&arguments::scale), pointer_cases("q_c", &arguments::q_c),
                  pointer_cases("k_c", &arguments::k_c), pointer_cases("v_c", &arguments::v_c),
-                 pointer_cases("o_c", &arguments::o_c), pointer_cases("d_o_c", &arguments::d_o_c),
-                 pointer_cases("lse_c", &arguments::lse_c), pointer_cases("dq_c", &arguments::dq_c),
-                 pointer_cases("dk_c", &arguments::dk_c), pointer_cases("dv_c", &arguments::dv_c), workspace_cases()),
+                 pointer_cases("scores", &arguments::scores), pointer_cases("o_c", &arguments::o_c),
+                 pointer_cases("d_o_c", &arguments::d_o_c), pointer_cases("lse_c", &arguments::lse_c),
+                 pointer_cases("dq_c", &arguments::dq_c), pointer_cases("dk_c", &arguments::dk_c),
+                 pointer_cases("dv_c", &arguments::dv_c), workspace_cases()),
             true);
 }
 
@@ -804,15 +808,17 @@ TEST_CASE("every entry point on random problems", "[gpu][sanitize]") {
     CHECK(back.download().bytes == raster.bytes);
 
     // Stages one by one.
-    device_buffer q_c(bq * n * dim * e), k_c(bk * n * dim * e), v_c(bk * n * dim * e), o_c(bq * n * dim * e),
-        lse_c(bq * n * 4), scores(bq * n * n * 4), q2k(bq * n * rp.top_k * 4), count(bq * n * 4),
-        k2q(bq * n * rp.top_k * 4), offset(bq * (n + 1) * 4), lse(bq * tokens * 4);
-    for (device_buffer* b : {&q_c, &k_c, &v_c, &o_c, &lse_c, &scores, &lse}) b->poison();
+    device_buffer q_c(bq * n * dim * e), k_c(bk * n * dim * e), v_c(bk * n * dim * e), q_c32(bq * n * dim * 4),
+        k_c32(bk * n * dim * 4), o_c(bq * n * dim * e), lse_c(bq * n * 4), scores(bq * n * n * 4),
+        q2k(bq * n * rp.top_k * 4), count(bq * n * 4), k2q(bq * n * rp.top_k * 4), offset(bq * (n + 1) * 4),
+        lse(bq * tokens * 4);
+    for (device_buffer* b : {&q_c, &k_c, &v_c, &q_c32, &k_c32, &o_c, &lse_c, &scores, &lse}) b->poison();
     for (device_buffer* b : {&q2k, &count, &k2q, &offset}) b->poison_indices();
-    REQUIRE(block_means(p, dq.cview(), dk.cview(), dv.cview(), q_c.get(), k_c.get(), v_c.get(), nullptr).is_ok());
-    REQUIRE(coarse_attention(p, scale, q_c.get(), k_c.get(), v_c.get(), scores.as<float>(), o_c.get(),
-                             lse_c.as<float>(), nullptr)
+    REQUIRE(block_means(p, dq.cview(), dk.cview(), dv.cview(), q_c.get(), k_c.get(), v_c.get(), q_c32.as<float>(),
+                        k_c32.as<float>(), nullptr)
                 .is_ok());
+    REQUIRE(coarse_scores(p, scale, q_c32.as<float>(), k_c32.as<float>(), scores.as<float>(), nullptr).is_ok());
+    REQUIRE(coarse_attention(p, scores.as<float>(), v_c.get(), o_c.get(), nullptr, lse_c.as<float>(), nullptr).is_ok());
     index_lists idx{q2k.as<int32_t>(), count.as<int32_t>(), rp.top_k, k2q.as<int32_t>(), offset.as<int32_t>()};
     std::size_t select_bytes = 0, k2q_bytes = 0;
     REQUIRE(select_top_k(p, rp.top_k, scores.as<float>(), idx, nullptr, select_bytes, nullptr).is_ok());
@@ -833,14 +839,14 @@ TEST_CASE("every entry point on random problems", "[gpu][sanitize]") {
     REQUIRE(
         combine_backward(p, d_o.cview(), dgate_in.cview(), o_c.get(), grad_gate.view(), d_o_c.get(), nullptr).is_ok());
     std::size_t coarse_bytes = 0, sparse_bytes = 0;
-    REQUIRE(coarse_attention_backward(p, scale, q_c.get(), k_c.get(), v_c.get(), o_c.get(), d_o_c.get(),
-                                      lse_c.as<float>(), dq_c.as<float>(), dk_c.as<float>(), dv_c.as<float>(), nullptr,
-                                      coarse_bytes, nullptr)
+    REQUIRE(coarse_attention_backward(p, scale, q_c.get(), k_c.get(), v_c.get(), scores.as<float>(), o_c.get(), nullptr,
+                                      d_o_c.get(), lse_c.as<float>(), dq_c.as<float>(), dk_c.as<float>(),
+                                      dv_c.as<float>(), nullptr, coarse_bytes, nullptr)
                 .is_ok());
     device_buffer coarse_ws(coarse_bytes);
-    REQUIRE(coarse_attention_backward(p, scale, q_c.get(), k_c.get(), v_c.get(), o_c.get(), d_o_c.get(),
-                                      lse_c.as<float>(), dq_c.as<float>(), dk_c.as<float>(), dv_c.as<float>(),
-                                      coarse_ws.get(), coarse_bytes, nullptr)
+    REQUIRE(coarse_attention_backward(p, scale, q_c.get(), k_c.get(), v_c.get(), scores.as<float>(), o_c.get(), nullptr,
+                                      d_o_c.get(), lse_c.as<float>(), dq_c.as<float>(), dk_c.as<float>(),
+                                      dv_c.as<float>(), coarse_ws.get(), coarse_bytes, nullptr)
                 .is_ok());
     REQUIRE(sparse_attention_backward(p, scale, dq.cview(), dk.cview(), dv.cview(), o_s.cview(), d_o.cview(),
                                       lse.as<float>(), as_const(idx), gq.view(), gk.view(), gv.view(), nullptr,

@@ -42,7 +42,8 @@ __device__ __forceinline__ float sum_row_groups(const float (&mine)[8], float (*
 
 struct means_source {
   vector_view<const uint4> x;
-  uint16_t* out; // [B, heads, N, D]
+  uint16_t* out;  // [B, heads, N, D]
+  float* out_f32; // optional [B, heads, N, D]: the same means unrounded
   int64_t heads;
 };
 
@@ -61,6 +62,7 @@ __device__ __forceinline__ means_source pick(const means_params& p, bool is_q, b
   s.x.token_stride = is_q ? p.q.x.token_stride : (is_k ? p.k.x.token_stride : p.v.x.token_stride);
   s.x.head_stride = is_q ? p.q.x.head_stride : (is_k ? p.k.x.head_stride : p.v.x.head_stride);
   s.out = is_q ? p.q.out : (is_k ? p.k.out : p.v.out);
+  s.out_f32 = is_q ? p.q.out_f32 : (is_k ? p.k.out_f32 : p.v.out_f32);
   s.heads = is_q ? p.q.heads : (is_k ? p.k.heads : p.v.heads);
   return s;
 }
@@ -98,8 +100,12 @@ template <class E, int D> __global__ void __launch_bounds__(tile_row_threads) bl
       for (int e = 0; e < 8; ++e) sum[e] += f[e];
     }
     const float total = sum_row_groups<D>(sum, partial, group, vec);
-    if (threadIdx.x < D)
-      src.out[((b * src.heads + h) * tiles + n) * D + threadIdx.x] = E::from_float(total / static_cast<float>(valid));
+    if (threadIdx.x < D) {
+      const int64_t at = ((b * src.heads + h) * tiles + n) * D + threadIdx.x;
+      const float mean = total / static_cast<float>(valid);
+      src.out[at] = E::from_float(mean);
+      if (src.out_f32 != nullptr) src.out_f32[at] = mean;
+    }
     __syncthreads(); // partial is rewritten by the next item
   }
 }
@@ -108,9 +114,10 @@ template <class E, int D> __global__ void __launch_bounds__(tile_row_threads) bl
 } // namespace gpu
 
 // q_c [B, Hq, N, D], k_c and v_c [B, Hkv, N, D], contiguous, in p.type: the mean of each tile's valid tokens
-// of the tiled tensors q [B, N·64, Hq, D], k and v [B, N·64, Hkv, D], accumulated in fp32.
+// of the tiled tensors q [B, N·64, Hq, D], k and v [B, N·64, Hkv, D], accumulated in fp32. q_c_f32 and k_c_f32,
+// when not null, receive the same means of q and k unrounded (fp32, same shapes): what coarse_scores takes.
 inline status block_means(const problem& p, const_tensor q, const_tensor k, const_tensor v, void* q_c, void* k_c,
-                          void* v_c, gpu::stream_t stream) {
+                          void* v_c, float* q_c_f32, float* k_c_f32, gpu::stream_t stream) {
   status s = check_problem(p, target::gpu);
   const tile_geometry geo(p.grid);
   if (s) s = check_tensor("q", q, p, p.q_heads, geo.tiled_tokens(), target::gpu);
@@ -119,11 +126,13 @@ inline status block_means(const problem& p, const_tensor q, const_tensor k, cons
   if (s) s = check_pointer("q_c", q_c, 16);
   if (s) s = check_pointer("k_c", k_c, 16);
   if (s) s = check_pointer("v_c", v_c, 16);
+  if (s && q_c_f32 != nullptr) s = check_pointer("q_c_f32", q_c_f32, 16);
+  if (s && k_c_f32 != nullptr) s = check_pointer("k_c_f32", k_c_f32, 16);
   if (!s) return s;
   namespace gd = gpu::detail;
-  const gd::means_params mp{{gd::make_vector_view<const uint4>(q), static_cast<uint16_t*>(q_c), p.q_heads},
-                            {gd::make_vector_view<const uint4>(k), static_cast<uint16_t*>(k_c), p.kv_heads},
-                            {gd::make_vector_view<const uint4>(v), static_cast<uint16_t*>(v_c), p.kv_heads},
+  const gd::means_params mp{{gd::make_vector_view<const uint4>(q), static_cast<uint16_t*>(q_c), q_c_f32, p.q_heads},
+                            {gd::make_vector_view<const uint4>(k), static_cast<uint16_t*>(k_c), k_c_f32, p.kv_heads},
+                            {gd::make_vector_view<const uint4>(v), static_cast<uint16_t*>(v_c), nullptr, p.kv_heads},
                             geo,
                             p.batch};
   const unsigned blocks = gd::grid_blocks(p.batch * geo.num_tiles() * (p.q_heads + 2 * p.kv_heads));
@@ -135,6 +144,12 @@ inline status block_means(const problem& p, const_tensor q, const_tensor k, cons
       gd::block_means_kernel<E, 128><<<blocks, gd::tile_row_threads, 0, stream>>>(mp);
     return gpu::launch_status("block_means");
   });
+}
+
+// The same without the fp32 means.
+inline status block_means(const problem& p, const_tensor q, const_tensor k, const_tensor v, void* q_c, void* k_c,
+                          void* v_c, gpu::stream_t stream) {
+  return block_means(p, q, k, v, q_c, k_c, v_c, nullptr, nullptr, stream);
 }
 
 } // namespace vsa

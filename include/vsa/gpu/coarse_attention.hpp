@@ -1,9 +1,13 @@
-// Stage 3 on the GPU: dense attention between the N tile means of each head, and its backward. It is the
-// same flash-attention kernel as the sparse pass, run over the means as a sequence of ⌈N/64⌉ row blocks
-// in which every query block visits every key block; the forward also writes the scaled scores that the
-// selection ranks. The backward recomputes P from lse_c rather than keeping the N×N probabilities.
+// Stage 3 on the GPU: dense attention between the N tile means of each head, and its backward, in two pieces.
+// coarse_scores forms the scaled scores from the fp32 means at about twice bf16's precision (detail/
+// coarse_scores.hpp says why that precision is needed); the selection ranks them. coarse_attention and its
+// backward are the same flash-attention kernels as the sparse pass, run over the means as a sequence of
+// ⌈N/64⌉ row blocks in which every query block visits every key block, reading those scores instead of
+// forming Q·Kᵀ (load_scores). The backward recomputes P from lse_c and the scores rather than keeping the
+// N×N probabilities.
 #pragma once
 
+#include "detail/coarse_scores.hpp"
 #include "sparse_attention.hpp"
 
 namespace vsa {
@@ -19,32 +23,56 @@ inline status check_means(const char* name, const void* ptr) { return check_poin
 
 } // namespace detail
 
-// scores [B, Hq, N, N] fp32 (scale·q_c·k_cᵀ; may be null when only o_c is wanted), o_c [B, Hq, N, D] in
-// p.type, lse_c [B, Hq, N] fp32. q_c [B, Hq, N, D], k_c and v_c [B, Hkv, N, D], contiguous, in p.type.
-inline status coarse_attention(const problem& p, float scale, const void* q_c, const void* k_c, const void* v_c,
-                               float* scores, void* o_c, float* lse_c, gpu::stream_t stream) {
+// scores [B, Hq, N, N] fp32 = scale · q_c · k_cᵀ (query head h against kv head h / (Hq / Hkv)), from the fp32
+// means q_c [B, Hq, N, D] and k_c [B, Hkv, N, D] (block_means' q_c_f32 and k_c_f32), contiguous; relative
+// error about 2^-16 of |q_c|·|k_c|.
+inline status coarse_scores(const problem& p, float scale, const float* q_c, const float* k_c, float* scores,
+                            gpu::stream_t stream) {
   status s = check_problem(p, target::gpu);
   if (s) s = detail::check_scale(scale);
   if (s) s = detail::check_means("q_c", q_c);
   if (s) s = detail::check_means("k_c", k_c);
+  if (s) s = check_pointer("scores", scores, 8);
+  if (!s) return s;
+  namespace gd = gpu::detail;
+  const int64_t n = tile_geometry(p.grid).num_tiles(), blocks = (n + 63) / 64;
+  const gd::coarse_scores_params cp{q_c, k_c, scores, p.q_heads, p.q_heads / p.kv_heads, n, scale};
+  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(blocks),
+                  static_cast<unsigned>(p.batch * p.q_heads));
+  const int smem = gd::coarse_scores_smem(static_cast<int>(p.head_dim));
+  const auto run = [&](auto kernel) {
+    status st = gd::prepare(kernel, smem);
+    if (!st) return st;
+    kernel<<<grid, 4 * gpu::warp_mma<gpu::bf16_type, 64>::threads, smem, stream>>>(cp);
+    return gpu::launch_status("coarse scores");
+  };
+  return p.head_dim == 64 ? run(gd::coarse_scores_kernel<64>) : run(gd::coarse_scores_kernel<128>);
+}
+
+// o_c [B, Hq, N, D] in p.type and lse_c [B, Hq, N] fp32: the softmax of the scores [B, Hq, N, N] (coarse_scores)
+// over the tiles' values v_c [B, Hkv, N, D] (p.type, contiguous). o_c_residual, when not null, receives what
+// rounding o_c lost ([B, Hq, N, D] bytes, residual_encode in numeric.hpp), for coarse_attention_backward: with
+// it the backward's row term is that of o_c before rounding, which matters where the softmax is sharp.
+inline status coarse_attention(const problem& p, const float* scores, const void* v_c, void* o_c, int8_t* o_c_residual,
+                               float* lse_c, gpu::stream_t stream) {
+  status s = check_problem(p, target::gpu);
+  if (s) s = check_pointer("scores", scores, 4);
   if (s) s = detail::check_means("v_c", v_c);
   if (s) s = detail::check_means("o_c", o_c);
   if (s) s = check_pointer("lse_c", lse_c, 4);
-  if (s && scores != nullptr) s = check_pointer("scores", scores, 4);
   if (!s) return s;
   const auto sched = detail::means_schedule(p);
   const int64_t n = sched.length;
   gpu::detail::forward_params fp{};
-  fp.q = gpu::detail::make_dense_operand(q_c, p.q_heads, n, p.head_dim);
-  fp.k = gpu::detail::make_dense_operand(k_c, p.kv_heads, n, p.head_dim);
   fp.v = gpu::detail::make_dense_operand(v_c, p.kv_heads, n, p.head_dim);
   fp.o = gpu::detail::make_dense_operand(o_c, p.q_heads, n, p.head_dim);
   fp.lse = lse_c;
+  fp.o_residual = o_c_residual;
   fp.scores = scores;
   fp.q_heads = p.q_heads;
   fp.group = p.q_heads / p.kv_heads;
-  fp.scale = scale;
-  fp.scale_log2 = scale * 1.4426950408889634f;
+  fp.scale = 1.f; // the scores are scaled
+  fp.scale_log2 = log2_e;
   return gpu::detail::dispatch(p.type, p.head_dim, [&](auto cfg) {
     using C = decltype(cfg);
     return gpu::detail::launch_forward<typename C::element, C::head_dim>(fp, sched, p.batch, p.q_heads, stream);
@@ -56,11 +84,14 @@ inline std::size_t coarse_attention_backward_workspace(const problem& p) {
 }
 
 // dq_c [B, Hq, N, D], dk_c and dv_c [B, Hkv, N, D] in fp32 (dk_c, dv_c summed over each group), from the
-// gradient d_o_c [B, Hq, N, D] (p.type) of o_c.
+// gradient d_o_c [B, Hq, N, D] (p.type) of o_c; scores are the forward's (coarse_scores), q_c and k_c the means
+// in p.type, the operands of dq_c = scale · dS · k_c and dk_c = scale · dSᵀ · q_c; o_c_residual the forward's,
+// or null.
 inline status coarse_attention_backward(const problem& p, float scale, const void* q_c, const void* k_c,
-                                        const void* v_c, const void* o_c, const void* d_o_c, const float* lse_c,
-                                        float* dq_c, float* dk_c, float* dv_c, void* workspace,
-                                        std::size_t& workspace_bytes, gpu::stream_t stream) {
+                                        const void* v_c, const float* scores, const void* o_c,
+                                        const int8_t* o_c_residual, const void* d_o_c, const float* lse_c, float* dq_c,
+                                        float* dk_c, float* dv_c, void* workspace, std::size_t& workspace_bytes,
+                                        gpu::stream_t stream) {
   status s = check_problem(p, target::gpu);
   if (!s) return s;
   const std::size_t need = coarse_attention_backward_workspace(p);
@@ -72,6 +103,7 @@ inline status coarse_attention_backward(const problem& p, float scale, const voi
   if (s) s = detail::check_means("q_c", q_c);
   if (s) s = detail::check_means("k_c", k_c);
   if (s) s = detail::check_means("v_c", v_c);
+  if (s) s = check_pointer("scores", scores, 4);
   if (s) s = detail::check_means("o_c", o_c);
   if (s) s = detail::check_means("d_o_c", d_o_c);
   if (s) s = check_pointer("lse_c", lse_c, 4);
@@ -89,6 +121,7 @@ inline status coarse_attention_backward(const problem& p, float scale, const voi
   dp.d_o = gpu::detail::make_dense_operand(d_o_c, p.q_heads, n, p.head_dim);
   dp.gate = {nullptr, 0, 0, 0};
   dp.o_c = nullptr;
+  dp.o_residual = o_c_residual;
   dp.delta = delta;
   dp.q_heads = p.q_heads;
   dp.rows_total = n;
@@ -104,11 +137,12 @@ inline status coarse_attention_backward(const problem& p, float scale, const voi
   bp.dv_f32 = dv_c;
   bp.lse = lse_c;
   bp.delta = delta;
+  bp.scores = scores;
   bp.q_heads = p.q_heads;
   bp.kv_heads = p.kv_heads;
   bp.group = p.q_heads / p.kv_heads;
   bp.scale = scale;
-  bp.scale_log2 = scale * 1.4426950408889634f;
+  bp.scale_log2 = log2_e; // the scores are scaled
   return gpu::detail::dispatch(p.type, p.head_dim, [&](auto cfg) {
     using C = decltype(cfg);
     using E = typename C::element;

@@ -1,11 +1,17 @@
 // The whole video sparse attention op on the GPU, forward and backward, behind one workspace.
 //
-// Forward: block means → coarse attention (o_c, lse_c and the scores) → top-k → q2k → k2q → sparse
-// attention with o = o_s + g ⊙ o_c written by its epilogue. What the backward needs stays in the
-// workspace: the means, o_c, lse_c, the index lists and the fine log-sum-exp.
-// Backward: dgate and the tile sums of g ⊙ dO → coarse attention backward (fp32 dq_c, dk_c, dv_c) →
-// delta = rowsum(dO ⊙ (o − g ⊙ o_c)) → dq walking q2k and dk, dv walking k2q, each adding the block-mean
-// backward of the coarse gradients (d·_c / valid count, on every valid slot of the tile) in its epilogue.
+// Forward: block means (and the fp32 means of q and k) → coarse scores → coarse attention (o_c, lse_c) →
+// top-k → q2k → k2q → sparse attention with o = o_s + g ⊙ o_c written by its epilogue. What the backward
+// needs stays in the workspace: the means, o_c, lse_c, the index lists, the fine log-sum-exp and o's rounding
+// residual. Backward: dgate and the tile sums of g ⊙ dO → coarse scores again → coarse attention backward
+// (fp32 dq_c, dk_c, dv_c) →
+// delta = rowsum(dO ⊙ (o + residual − g ⊙ o_c)) → dq walking q2k and dk, dv walking k2q, each adding the
+// block-mean backward of the coarse gradients (d·_c / valid count, on every valid slot of the tile) in its
+// epilogue.
+//
+// The residuals (one byte an element of o and of o_c, residual_encode in numeric.hpp) are what make each row
+// term that of the output as the forward computed it, not after its rounding (and o's, after o_c's too): at
+// large scores that difference was the whole op's largest gradient error (README.md, accuracy).
 #pragma once
 
 #include "block_means.hpp"
@@ -24,9 +30,11 @@ namespace detail {
 struct op_workspace {
   bool coarse = false; // false when the caller supplied the q2k lists
   int64_t top_k = 0, capacity = 0;
-  std::size_t q_c = 0, k_c = 0, v_c = 0, o_c = 0, lse_c = 0, scores = 0, q2k = 0, q2k_count = 0, k2q = 0,
-              k2q_offset = 0, lse = 0, select_scratch = 0, index_scratch = 0, forward_bytes = 0;
-  std::size_t d_o_c = 0, dq_c = 0, dk_c = 0, dv_c = 0, coarse_scratch = 0, sparse_scratch = 0, backward_bytes = 0;
+  std::size_t q_c = 0, k_c = 0, v_c = 0, q_c32 = 0, k_c32 = 0, o_c = 0, lse_c = 0, scores = 0, q2k = 0, q2k_count = 0,
+              k2q = 0, k2q_offset = 0, lse = 0, o_residual = 0, o_c_residual = 0, select_scratch = 0, index_scratch = 0,
+              forward_bytes = 0;
+  std::size_t d_o_c = 0, dq_c = 0, dk_c = 0, dv_c = 0, b_scores = 0, coarse_scratch = 0, sparse_scratch = 0,
+              backward_bytes = 0;
 
   template <class T = void> T* at(void* base, std::size_t off) const {
     return reinterpret_cast<T*>(static_cast<unsigned char*>(base) + off);
@@ -61,7 +69,11 @@ inline status plan_op(const problem& p, const options& opt, op_workspace& w) {
     w.q_c = take(bh * n * d * e);
     w.k_c = take(bhk * n * d * e);
     w.v_c = take(bhk * n * d * e);
+    // The fp32 means of q and k, from which the scores are formed in the forward and again in the backward.
+    w.q_c32 = take(bh * n * d * sizeof(float));
+    w.k_c32 = take(bhk * n * d * sizeof(float));
     w.o_c = take(bh * n * d * e);
+    w.o_c_residual = take(bh * n * d * sizeof(int8_t));
     w.lse_c = take(bh * n * sizeof(float));
     w.q2k = take(bh * n * w.capacity * sizeof(int32_t));
     w.q2k_count = take(bh * n * sizeof(int32_t));
@@ -69,6 +81,7 @@ inline status plan_op(const problem& p, const options& opt, op_workspace& w) {
   w.k2q = take(bh * n * w.capacity * sizeof(int32_t));
   w.k2q_offset = take(bh * (n + 1) * sizeof(int32_t));
   w.lse = take(bh * n * 64 * sizeof(float));
+  w.o_residual = take(bh * n * 64 * d * sizeof(int8_t));
   // Scratch of the forward only: the N×N scores and the selection's and index builder's own workspaces.
   const std::size_t saved = off;
   index_lists probe{};
@@ -92,6 +105,7 @@ inline status plan_op(const problem& p, const options& opt, op_workspace& w) {
     w.dq_c = take(bh * n * d * sizeof(float));
     w.dk_c = take(bhk * n * d * sizeof(float));
     w.dv_c = take(bhk * n * d * sizeof(float));
+    w.b_scores = take(bh * n * n * sizeof(float));
     w.coarse_scratch = take(coarse_attention_backward_workspace(p));
   }
   w.sparse_scratch = take(sparse_attention_backward_workspace(p));
@@ -144,10 +158,12 @@ inline status forward(const problem& p, const options& opt, const forward_io& io
     idx.q2k_count = w.at<int32_t>(workspace, w.q2k_count);
     void *qc = w.at(workspace, w.q_c), *kc = w.at(workspace, w.k_c), *vc = w.at(workspace, w.v_c);
     float* scores = w.at<float>(workspace, w.scores);
-    s = block_means(p, io.q, io.k, io.v, qc, kc, vc, stream);
+    float *qc32 = w.at<float>(workspace, w.q_c32), *kc32 = w.at<float>(workspace, w.k_c32);
+    s = block_means(p, io.q, io.k, io.v, qc, kc, vc, qc32, kc32, stream);
+    if (s) s = coarse_scores(p, scale, qc32, kc32, scores, stream);
     if (s)
-      s = coarse_attention(p, scale, qc, kc, vc, scores, w.at(workspace, w.o_c), w.at<float>(workspace, w.lse_c),
-                           stream);
+      s = coarse_attention(p, scores, vc, w.at(workspace, w.o_c), w.at<int8_t>(workspace, w.o_c_residual),
+                           w.at<float>(workspace, w.lse_c), stream);
     std::size_t select_bytes = w.index_scratch - w.select_scratch;
     if (s) s = select_top_k(p, w.top_k, scores, idx, w.at(workspace, w.select_scratch), select_bytes, stream);
   } else {
@@ -164,13 +180,14 @@ inline status forward(const problem& p, const options& opt, const forward_io& io
   fp.v = gpu::detail::make_operand(io.v);
   fp.o = gpu::detail::make_operand(io.o);
   fp.lse = w.at<float>(workspace, w.lse);
+  fp.o_residual = w.at<int8_t>(workspace, w.o_residual);
   fp.scores = nullptr;
   fp.o_c = w.coarse ? w.at<const uint16_t>(workspace, w.o_c) : nullptr;
   fp.gate = gpu::detail::make_operand(io.gate);
   fp.q_heads = p.q_heads;
   fp.group = p.q_heads / p.kv_heads;
   fp.scale = scale;
-  fp.scale_log2 = scale * 1.4426950408889634f;
+  fp.scale_log2 = scale * log2_e;
   const auto sched = detail::q2k_schedule(p, as_const(idx));
   return gpu::detail::dispatch(p.type, p.head_dim, [&](auto cfg) {
     using C = decltype(cfg);
@@ -219,11 +236,16 @@ inline status backward(const problem& p, const options& opt, const backward_io& 
   if (w.coarse) {
     void* d_o_c = w.at(workspace, w.d_o_c);
     o_c = w.at<const uint16_t>(workspace, w.o_c);
+    float* scores = w.at<float>(workspace, w.b_scores); // formed again: N² floats are not worth keeping
     s = combine_backward(p, io.d_o, io.gate, o_c, io.dgate, d_o_c, stream);
+    if (s)
+      s = coarse_scores(p, scale, w.at<const float>(workspace, w.q_c32), w.at<const float>(workspace, w.k_c32), scores,
+                        stream);
     std::size_t coarse_bytes = w.sparse_scratch - w.coarse_scratch;
     if (s)
       s = coarse_attention_backward(p, scale, w.at(workspace, w.q_c), w.at(workspace, w.k_c), w.at(workspace, w.v_c),
-                                    o_c, d_o_c, w.at<const float>(workspace, w.lse_c), w.at<float>(workspace, w.dq_c),
+                                    scores, o_c, w.at<const int8_t>(workspace, w.o_c_residual), d_o_c,
+                                    w.at<const float>(workspace, w.lse_c), w.at<float>(workspace, w.dq_c),
                                     w.at<float>(workspace, w.dk_c), w.at<float>(workspace, w.dv_c),
                                     w.at(workspace, w.coarse_scratch), coarse_bytes, stream);
     if (!s) return s;
@@ -240,6 +262,7 @@ inline status backward(const problem& p, const options& opt, const backward_io& 
   dp.d_o = gpu::detail::make_operand(io.d_o);
   dp.gate = gpu::detail::make_operand(io.gate);
   dp.o_c = o_c;
+  dp.o_residual = w.at<const int8_t>(workspace, w.o_residual);
   dp.delta = delta;
   dp.q_heads = p.q_heads;
   dp.rows_total = tokens;
@@ -262,7 +285,7 @@ inline status backward(const problem& p, const options& opt, const backward_io& 
   bp.kv_heads = p.kv_heads;
   bp.group = p.q_heads / p.kv_heads;
   bp.scale = scale;
-  bp.scale_log2 = scale * 1.4426950408889634f;
+  bp.scale_log2 = scale * log2_e;
   return gpu::detail::dispatch(p.type, p.head_dim, [&](auto cfg) {
     using C = decltype(cfg);
     using E = typename C::element;

@@ -67,7 +67,7 @@ inline status sparse_attention_forward(const problem& p, float scale, const_tens
   fp.q_heads = p.q_heads;
   fp.group = p.q_heads / p.kv_heads;
   fp.scale = scale;
-  fp.scale_log2 = scale * 1.4426950408889634f;
+  fp.scale_log2 = scale * log2_e;
   const auto sched = detail::q2k_schedule(p, idx);
   return gpu::detail::dispatch(p.type, p.head_dim, [&](auto cfg) {
     using C = decltype(cfg);
@@ -165,7 +165,7 @@ inline status sparse_attention_backward(const problem& p, float scale, const_ten
   bp.kv_heads = p.kv_heads;
   bp.group = p.q_heads / p.kv_heads;
   bp.scale = scale;
-  bp.scale_log2 = scale * 1.4426950408889634f;
+  bp.scale_log2 = scale * log2_e;
   return gpu::detail::dispatch(p.type, p.head_dim, [&](auto cfg) {
     using C = decltype(cfg);
     using E = typename C::element;

@@ -9,9 +9,10 @@ namespace reference {
 namespace detail {
 
 // Writes every slot of o: o_s + g ⊙ o_c on valid slots, 0 on padding. gate.data null means g = 1.
-// o_c holds p.type values [B, Hq, N, D].
+// o_c holds p.type values [B, Hq, N, D]; o_s holds fine_type values (the whole op passes its o_s unrounded,
+// as the GPU's epilogue adds to the fp32 accumulator).
 inline void combine_core(const problem& p, const const_tensor& o_s, const const_tensor& gate, const void* o_c,
-                         const tensor& o) {
+                         const tensor& o, dtype fine_type) {
   const tile_geometry geo(p.grid);
   const int64_t n = geo.num_tiles(), dim = p.head_dim;
   const const_tensor out = as_const(o);
@@ -25,7 +26,7 @@ inline void combine_core(const problem& p, const const_tensor& o_s, const const_
         if (r >= geo.valid(i)) {
           std::fill(fine.begin(), fine.end(), 0.0);
         } else {
-          load_row(o_s.data, tensor_offset(o_s, b, token, h), dim, p.type, fine.data());
+          load_row(o_s.data, tensor_offset(o_s, b, token, h), dim, fine_type, fine.data());
           if (gate.data != nullptr) load_row(gate.data, tensor_offset(gate, b, token, h), dim, p.type, g.data());
           for (int64_t d = 0; d < dim; ++d) fine[d] += g[d] * coarse[d];
         }
@@ -88,7 +89,7 @@ inline status combine(const problem& p, const_tensor o_s, const_tensor gate, con
   if (!(s = detail::check_array("o_c", o_c))) return s;
   if (!(s = detail::check_tiled("o", o, p, p.q_heads))) return s;
   return detail::guarded("combine", [&]() {
-    detail::combine_core(p, o_s, gate, o_c, o);
+    detail::combine_core(p, o_s, gate, o_c, o, p.type);
     return status::ok();
   });
 }

@@ -2,7 +2,7 @@
 // gated combination, forward and backward, with the two-phase workspace convention.
 //
 // Values keep double precision between stages; they are rounded to p.type exactly where the GPU
-// pipeline stores them (the means, o_c, o_s, the per-tile sum of g ⊙ dO, and the outputs), so for the f64
+// pipeline stores them (the means, o_c, the per-tile sum of g ⊙ dO, and the outputs), so for the f64
 // dtype the whole op is a smooth function of its inputs (between selection changes) and its gradients
 // can be checked against finite differences.
 #pragma once
@@ -27,13 +27,13 @@ struct op_layout {
   bool overflow = false;
 
   // saved by the forward
-  std::size_t q_c, k_c, v_c, o_c, lse_c, q2k, q2k_count, o_s, lse;
+  std::size_t q_c, k_c, v_c, q_cs, k_cs, o_c, o_c_exact, lse_c, q2k, q2k_count, o_s, lse;
   std::size_t saved_end;
   // forward scratch
-  std::size_t f_q, f_k, f_v, f_o, f_qc, f_kc, f_vc, f_oc, f_scores;
+  std::size_t f_q, f_k, f_v, f_vc, f_scores, f_rank;
   std::size_t forward_end;
   // backward scratch
-  std::size_t b_q, b_k, b_v, b_o, b_do, b_dq, b_dk, b_dv, b_delta, b_doc, b_qc, b_kc, b_vc, b_oc, b_dqc, b_dkc, b_dvc;
+  std::size_t b_q, b_k, b_v, b_do, b_dq, b_dk, b_dv, b_delta, b_doc, b_qc, b_kc, b_vc, b_scores, b_dqc, b_dkc, b_dvc;
   std::size_t backward_end;
 
   std::size_t add(int64_t count, std::size_t element) {
@@ -56,28 +56,30 @@ struct op_layout {
     q_c = add(bq * cn * dim, ts);
     k_c = add(bk * cn * dim, ts);
     v_c = add(bk * cn * dim, ts);
+    // The means of q and k the scores are formed from, as the GPU keeps them: fp32 (f64 for the f64 type).
+    q_cs = add(bq * cn * dim, f64);
+    k_cs = add(bk * cn * dim, f64);
     o_c = add(bq * cn * dim, ts);
+    // o_c unrounded: the GPU keeps its rounding residual, so the coarse backward's row term sees o_c as computed.
+    o_c_exact = add(bq * cn * dim, f64);
     lse_c = add(bq * cn, f64);
     q2k = add(coarse ? bq * n * top_k : 0, sizeof(int32_t));
     q2k_count = add(bq * cn, sizeof(int32_t));
-    o_s = add(bq * slots * dim, ts);
+    // o_s unrounded: the GPU op keeps o's rounding residual, so its backward sees o_s as computed.
+    o_s = add(bq * slots * dim, f64);
     lse = add(bq * slots, f64);
     saved_end = total;
     f_q = add(bq * slots * dim, f64);
     f_k = add(bk * slots * dim, f64);
     f_v = add(bk * slots * dim, f64);
-    f_o = add(bq * slots * dim, f64);
-    f_qc = add(bq * cn * dim, f64);
-    f_kc = add(bk * cn * dim, f64);
     f_vc = add(bk * cn * dim, f64);
-    f_oc = add(bq * cn * dim, f64);
-    f_scores = add(vsa::detail::checked_mul(bq * cn, cn), sizeof(float));
+    f_scores = add(vsa::detail::checked_mul(bq * cn, cn), f64);
+    f_rank = add(vsa::detail::checked_mul(bq * cn, cn), sizeof(float));
     forward_end = total;
     total = saved_end;
     b_q = add(bq * slots * dim, f64);
     b_k = add(bk * slots * dim, f64);
     b_v = add(bk * slots * dim, f64);
-    b_o = add(bq * slots * dim, f64);
     b_do = add(bq * slots * dim, f64);
     b_dq = add(bq * slots * dim, f64);
     b_dk = add(bk * slots * dim, f64);
@@ -87,7 +89,7 @@ struct op_layout {
     b_qc = add(bq * cn * dim, f64);
     b_kc = add(bk * cn * dim, f64);
     b_vc = add(bk * cn * dim, f64);
-    b_oc = add(bq * cn * dim, f64);
+    b_scores = add(vsa::detail::checked_mul(bq * cn, cn), f64);
     b_dqc = add(bq * cn * dim, f64);
     b_dkc = add(bk * cn * dim, f64);
     b_dvc = add(bk * cn * dim, f64);
@@ -97,6 +99,19 @@ struct op_layout {
 
 template <class T> T* region(void* workspace, std::size_t offset) {
   return reinterpret_cast<T*>(static_cast<unsigned char*>(workspace) + offset);
+}
+
+// The type the GPU keeps the means of q and k in for the scores, and the scores themselves: fp32, or f64
+// for the f64 type (where the op is then a smooth function of its inputs).
+inline dtype means_type(const problem& p) { return p.type == dtype::f64 ? dtype::f64 : dtype::f32; }
+inline void round_array(double* x, int64_t n, dtype t) {
+  for (int64_t e = 0; e < n; ++e) x[e] = round_to(x[e], t);
+}
+// The coarse scores of the op from those means, rounded as the GPU stores them.
+inline void op_scores(const problem& p, double scale, const double* q_cs, const double* k_cs, double* scores) {
+  coarse_scores_core(p, scale, q_cs, k_cs, scores);
+  const int64_t n = tile_geometry(p.grid).num_tiles();
+  round_array(scores, p.batch * p.q_heads * n * n, means_type(p));
 }
 
 // What forward and backward share: the resolved scale, which branch runs, and the lists the sparse pass reads.
@@ -150,12 +165,10 @@ inline const_index_lists op_lists(const op_plan& plan, const options& opt, const
   return {region<int32_t>(ws, layout.q2k), region<int32_t>(ws, layout.q2k_count), plan.top_k, nullptr, nullptr};
 }
 
-} // namespace detail
-
-// Forward of the whole op. workspace == nullptr: sets workspace_bytes and returns. Otherwise the
-// workspace must stay untouched until backward() has run on it.
-inline status forward(const problem& p, const options& opt, const forward_io& io, void* workspace,
-                      std::size_t& workspace_bytes) {
+// The forward, with the selection's lists taken from `chosen` when it is set (q2k rows of capacity top_k;
+// see forward_on_lists).
+inline status forward_impl(const problem& p, const options& opt, const forward_io& io, void* workspace,
+                           std::size_t& workspace_bytes, const const_index_lists* chosen) {
   detail::op_plan plan;
   status s = detail::plan_op(p, opt, plan);
   if (!s) return s;
@@ -177,7 +190,7 @@ inline status forward(const problem& p, const options& opt, const forward_io& io
     double* q = detail::region<double>(ws, layout.f_q);
     double* k = detail::region<double>(ws, layout.f_k);
     double* v = detail::region<double>(ws, layout.f_v);
-    double* o_s = detail::region<double>(ws, layout.f_o);
+    double* o_s = detail::region<double>(ws, layout.o_s);
     detail::gather(p, p.q_heads, io.q, q);
     detail::gather(p, p.kv_heads, io.k, k);
     detail::gather(p, p.kv_heads, io.v, v);
@@ -185,35 +198,70 @@ inline status forward(const problem& p, const options& opt, const forward_io& io
       void* q_c = detail::region<void>(ws, layout.q_c);
       void* k_c = detail::region<void>(ws, layout.k_c);
       void* v_c = detail::region<void>(ws, layout.v_c);
-      detail::tile_means(p, p.q_heads, io.q, q_c);
-      detail::tile_means(p, p.kv_heads, io.k, k_c);
-      detail::tile_means(p, p.kv_heads, io.v, v_c);
-      double* qc = detail::region<double>(ws, layout.f_qc);
-      double* kc = detail::region<double>(ws, layout.f_kc);
+      detail::tile_means(p, p.q_heads, io.q, q_c, p.type);
+      detail::tile_means(p, p.kv_heads, io.k, k_c, p.type);
+      detail::tile_means(p, p.kv_heads, io.v, v_c, p.type);
+      double* qs = detail::region<double>(ws, layout.q_cs);
+      double* ks = detail::region<double>(ws, layout.k_cs);
+      detail::tile_means(p, p.q_heads, io.q, qs, dtype::f64);
+      detail::tile_means(p, p.kv_heads, io.k, ks, dtype::f64);
+      detail::round_array(qs, bq * n * dim, detail::means_type(p));
+      detail::round_array(ks, bk * n * dim, detail::means_type(p));
       double* vc = detail::region<double>(ws, layout.f_vc);
-      double* oc = detail::region<double>(ws, layout.f_oc);
-      detail::load_array(q_c, bq * n * dim, p.type, qc);
-      detail::load_array(k_c, bk * n * dim, p.type, kc);
+      double* oc = detail::region<double>(ws, layout.o_c_exact);
       detail::load_array(v_c, bk * n * dim, p.type, vc);
-      float* scores = detail::region<float>(ws, layout.f_scores);
-      detail::coarse_forward_core(p, plan.scale, qc, kc, vc, scores, oc, detail::region<double>(ws, layout.lse_c));
+      double* scores = detail::region<double>(ws, layout.f_scores);
+      detail::op_scores(p, plan.scale, qs, ks, scores);
+      detail::coarse_forward_core(p, scores, vc, oc, detail::region<double>(ws, layout.lse_c));
       detail::store_array(detail::region<void>(ws, layout.o_c), bq * n * dim, p.type, oc);
+      float* rank = detail::region<float>(ws, layout.f_rank);
+      for (int64_t e = 0; e < bq * n * n; ++e) rank[e] = static_cast<float>(scores[e]);
       const index_lists own{detail::region<int32_t>(ws, layout.q2k), detail::region<int32_t>(ws, layout.q2k_count),
                             plan.top_k, nullptr, nullptr};
-      detail::select_core(p, plan.top_k, scores, own);
+      if (chosen == nullptr) {
+        detail::select_core(p, plan.top_k, rank, own);
+      } else {
+        std::copy(chosen->q2k, chosen->q2k + bq * n * plan.top_k, own.q2k);
+        std::copy(chosen->q2k_count, chosen->q2k_count + bq * n, own.q2k_count);
+      }
     }
     double* lse = detail::region<double>(ws, layout.lse);
     detail::sparse_forward_core(p, plan.scale, q, k, v, detail::op_lists(plan, opt, layout, ws), o_s, lse);
-    void* saved_o_s = detail::region<void>(ws, layout.o_s);
-    detail::store_array(saved_o_s, bq * slots * dim, p.type, o_s);
     if (plan.coarse) {
-      const const_tensor fine = bhsd<const void*>(saved_o_s, p.batch, slots, p.q_heads, dim);
-      detail::combine_core(p, fine, io.gate, detail::region<void>(ws, layout.o_c), io.o);
+      const const_tensor fine = bhsd<const void*>(o_s, p.batch, slots, p.q_heads, dim);
+      detail::combine_core(p, fine, io.gate, detail::region<void>(ws, layout.o_c), io.o, dtype::f64);
     } else {
       detail::scatter(p, p.q_heads, o_s, io.o);
     }
     return status::ok();
   });
+}
+
+} // namespace detail
+
+// Forward of the whole op. workspace == nullptr: sets workspace_bytes and returns. Otherwise the
+// workspace must stay untouched until backward() has run on it.
+inline status forward(const problem& p, const options& opt, const forward_io& io, void* workspace,
+                      std::size_t& workspace_bytes) {
+  return detail::forward_impl(p, opt, io, workspace, workspace_bytes, nullptr);
+}
+
+// The whole op's forward (coarse branch and gate included) on given lists instead of its own selection: q2k
+// rows of capacity top_k, as the op would select them (checked like caller-supplied lists). For comparing
+// another implementation of the op with this one on that implementation's selection: in f64 it is the exact
+// op, and near-tied scores can rank differently at another precision. backward() then runs on these lists.
+inline status forward_on_lists(const problem& p, const options& opt, const forward_io& io, const_index_lists lists,
+                               void* workspace, std::size_t& workspace_bytes) {
+  detail::op_plan plan;
+  status s = detail::plan_op(p, opt, plan);
+  if (!s) return s;
+  if (!plan.coarse)
+    return status::error(errc::bad_argument, "options.q2k: forward_on_lists takes its lists as an argument");
+  if (lists.q2k_capacity != plan.top_k)
+    return status::error(errc::bad_index, "lists: q2k_capacity %lld must be the op's k = %lld",
+                         (long long)lists.q2k_capacity, (long long)plan.top_k);
+  if (workspace != nullptr && !(s = check_q2k_host(p, lists))) return s;
+  return detail::forward_impl(p, opt, io, workspace, workspace_bytes, &lists);
 }
 
 // Backward of the whole op, on the workspace the forward filled (ask its size with workspace == nullptr;
@@ -246,7 +294,7 @@ inline status backward(const problem& p, const options& opt, const backward_io& 
     double* q = detail::region<double>(ws, layout.b_q);
     double* k = detail::region<double>(ws, layout.b_k);
     double* v = detail::region<double>(ws, layout.b_v);
-    double* o_s = detail::region<double>(ws, layout.b_o);
+    const double* o_s = detail::region<double>(ws, layout.o_s);
     double* d_o = detail::region<double>(ws, layout.b_do);
     double* dq = detail::region<double>(ws, layout.b_dq);
     double* dk = detail::region<double>(ws, layout.b_dk);
@@ -255,7 +303,6 @@ inline status backward(const problem& p, const options& opt, const backward_io& 
     detail::gather(p, p.kv_heads, io.k, k);
     detail::gather(p, p.kv_heads, io.v, v);
     detail::gather(p, p.q_heads, io.d_o, d_o);
-    detail::load_array(detail::region<void>(ws, layout.o_s), bq * slots * dim, p.type, o_s);
     detail::sparse_backward_core(p, plan.scale, q, k, v, o_s, d_o, detail::region<double>(ws, layout.lse),
                                  detail::op_lists(plan, opt, layout, ws), dq, dk, dv,
                                  detail::region<double>(ws, layout.b_delta));
@@ -264,20 +311,22 @@ inline status backward(const problem& p, const options& opt, const backward_io& 
       double* d_o_c = detail::region<double>(ws, layout.b_doc);
       detail::combine_backward_core(p, io.d_o, io.gate, o_c, io.dgate, d_o_c);
       // The GPU stores the per-tile sum of g ⊙ dO in p.type; the reference rounds it the same way.
-      for (int64_t e = 0; e < bq * n * dim; ++e) d_o_c[e] = round_to(d_o_c[e], p.type);
+      detail::round_array(d_o_c, bq * n * dim, p.type);
       double* qc = detail::region<double>(ws, layout.b_qc);
       double* kc = detail::region<double>(ws, layout.b_kc);
       double* vc = detail::region<double>(ws, layout.b_vc);
-      double* oc = detail::region<double>(ws, layout.b_oc);
+      const double* oc = detail::region<double>(ws, layout.o_c_exact);
       double* dqc = detail::region<double>(ws, layout.b_dqc);
       double* dkc = detail::region<double>(ws, layout.b_dkc);
       double* dvc = detail::region<double>(ws, layout.b_dvc);
       detail::load_array(detail::region<void>(ws, layout.q_c), bq * n * dim, p.type, qc);
       detail::load_array(detail::region<void>(ws, layout.k_c), bk * n * dim, p.type, kc);
       detail::load_array(detail::region<void>(ws, layout.v_c), bk * n * dim, p.type, vc);
-      detail::load_array(o_c, bq * n * dim, p.type, oc);
-      detail::coarse_backward_core(p, plan.scale, qc, kc, vc, oc, d_o_c, detail::region<double>(ws, layout.lse_c), dqc,
-                                   dkc, dvc);
+      double* scores = detail::region<double>(ws, layout.b_scores);
+      detail::op_scores(p, plan.scale, detail::region<double>(ws, layout.q_cs), detail::region<double>(ws, layout.k_cs),
+                        scores);
+      detail::coarse_backward_core(p, plan.scale, qc, kc, vc, scores, oc, d_o_c,
+                                   detail::region<double>(ws, layout.lse_c), dqc, dkc, dvc);
       // Block-mean backward: each valid token of tile i receives 1/valid(i) of the tile's gradient.
       auto spread = [&](int64_t heads, const double* grad_c, double* grad) {
         detail::parallel_for(p.batch * heads * n, [&](int64_t begin, int64_t end) {

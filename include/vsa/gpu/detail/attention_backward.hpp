@@ -21,8 +21,11 @@ struct backward_params {
   float* dq_f32;      // optional contiguous [B, Hq, rows, D] fp32 outputs (the coarse pass)
   float* dk_f32;      // [B, Hkv, rows, D]
   float* dv_f32;
-  const float* lse;    // [B·Hq, rows_total]
-  const float* delta;  // [B·Hq, rows_total]
+  const float* lse;   // [B·Hq, rows_total]
+  const float* delta; // [B·Hq, rows_total]
+  // The dense pass (coarse attention): its scaled scores, read instead of formed (load_scores); scale_log2 is
+  // then log2(e), and scale still scales dq and dk.
+  const float* scores; // [B·Hq, rows_total, rows_total]
   const float* fold_q; // optional [B, Hq, N, D] fp32, added as fold_q[tile] / valid(tile) to every valid row
   const float* fold_k; // [B, Hkv, N, D]
   const float* fold_v;
@@ -121,7 +124,8 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads))
     copy_tile(sk(buf), p.k.tile(b, hk, j), p.k.token, kv, tid, nthreads);
     copy_tile(sv(buf), p.v.tile(b, hk, j), p.v.token, kv, tid, nthreads);
   };
-  copy_tile(sq, p.q.tile(b, h, i), p.q.token, q_valid, tid, nthreads);
+  constexpr bool products_s = !Sched::few_blocks; // the dense pass reads its scores and needs no Q
+  if (products_s) copy_tile(sq, p.q.tile(b, h, i), p.q.token, q_valid, tid, nthreads);
   copy_tile(sdo, p.d_o.tile(b, h, i), p.d_o.token, q_valid, tid, nthreads);
   if (begin < end) load_kv(begin, 0);
   copy_commit();
@@ -168,7 +172,11 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads))
         copies.k.wait<D>(sk(0), kv, tid, nthreads, W);
       }
 #endif
-      M::template nt<W>(st, sq, row0, sk(buf));
+      if constexpr (products_s) {
+        M::template nt<W>(st, sq, row0, sk(buf));
+      } else {
+        load_scores<M>(st, p.scores + bh * rows_total * rows_total, s, i, s.at(pos), row0, false);
+      }
       // dS; the columns past the key tile's valid count get P = 0 (a tile whose valid rows fill the width, the
       // common case, without a test per element, as in the forward).
       const auto make_ds = [&](auto whole) {
@@ -235,7 +243,8 @@ template <class E, int D, class Sched> __global__ void __launch_bounds__((4 * wa
   const int kv = s.valid(j);
   const int64_t rows_total = s.rows_total();
 
-  copy_tile(sk, p.k.tile(b, hk, j), p.k.token, kv, tid, nthreads);
+  constexpr bool products_s = !Sched::few_blocks; // the dense pass reads its scores and needs no K
+  if (products_s) copy_tile(sk, p.k.tile(b, hk, j), p.k.token, kv, tid, nthreads);
   copy_tile(sv, p.v.tile(b, hk, j), p.v.token, kv, tid, nthreads);
 
   // The (query head, query tile) pairs of this key tile: the lists of every head of the group, in order.
@@ -315,7 +324,12 @@ template <class E, int D, class Sched> __global__ void __launch_bounds__((4 * wa
     typename M::score_tile st, dp;
 #pragma unroll
     for (int e = 0; e < M::score_elems; ++e) st.x[e] = 0.f, dp.x[e] = 0.f;
-    M::nt(st, sk, row0, sq(buf));  // Sᵀ: rows are keys, columns queries
+    if constexpr (products_s) {
+      M::nt(st, sk, row0, sq(buf)); // Sᵀ: rows are keys, columns queries
+    } else {
+      const int64_t bh = b * p.q_heads + hk * p.group + g;
+      load_scores<M>(st, p.scores + bh * rows_total * rows_total, s, j, cur_i, row0, true);
+    }
     M::nt(dp, sv, row0, sdo(buf)); // dPᵀ
 #pragma unroll
     for (int e = 0; e < M::score_elems; ++e) {
@@ -346,12 +360,17 @@ template <class E, int D, class Sched> __global__ void __launch_bounds__((4 * wa
 }
 
 // delta[bh, row] = Σ_d dO · (o − g ⊙ o_c[tile]) over a row, fp32 accumulation. o_c and the gate are
-// optional: without o_c the second factor is o itself (o_s of the plain sparse backward). Memory-bound:
-// D/8 consecutive lanes share a row, each with one 16-byte load per tensor, and reduce by shuffles.
+// optional: without o_c the second factor is o itself (o_s of the plain sparse backward). With the forward's
+// residual bytes, o is first restored to its value before rounding (residual_decode): at large scores the
+// row term is a near cancellation (dS = P ∘ (dP − delta) with P close to one-hot), and the rounding of o
+// alone, half a last place, is then the largest error of dq and dk (README.md, accuracy).
+// Memory-bound: D/8 consecutive lanes share a row, each with one 16-byte load per tensor, and reduce by
+// shuffles.
 struct delta_params {
-  operand o, d_o, gate; // gate.data may be null (g = 1)
-  const uint16_t* o_c;  // optional [B, Hq, N, D]
-  float* delta;         // [B·Hq, rows_total]
+  operand o, d_o, gate;     // gate.data may be null (g = 1)
+  const uint16_t* o_c;      // optional [B, Hq, N, D]
+  const int8_t* o_residual; // optional [B·Hq, rows_total, D] (forward_params::o_residual)
+  float* delta;             // [B·Hq, rows_total]
   int64_t q_heads, rows_total, tiles;
 };
 
@@ -373,7 +392,10 @@ template <class E, int D, class Sched> __global__ void __launch_bounds__(256)
   };
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
   const uint4 cv = coarse ? *reinterpret_cast<const uint4*>(p.o_c + (bh * p.tiles + tile) * D + col) : zero;
+  const bool restore = p.o_residual != nullptr;
+  const int8_t* residual = restore ? p.o_residual + (bh * s.rows_total() + tile * 64) * D + col : nullptr;
   uint4 ov[passes], dv[passes], gv[passes];
+  uint2 rv[passes];
 #pragma unroll
   for (int k = 0; k < passes; ++k) {
     const int r = sub + k * rows_per_pass;
@@ -381,6 +403,7 @@ template <class E, int D, class Sched> __global__ void __launch_bounds__(256)
     ov[k] = live ? load8(p.o, r) : zero;
     dv[k] = live ? load8(p.d_o, r) : zero;
     gv[k] = live && gated ? load8(p.gate, r) : zero;
+    rv[k] = live && restore ? *reinterpret_cast<const uint2*>(residual + r * D) : make_uint2(0u, 0u);
   }
   // Element c of a loaded vector is taken out of its 32-bit word by a shift, not read through a 16-bit
   // pointer: a pointer into the vectors makes them addressable, and the AMD compiler then keeps them in LDS
@@ -395,6 +418,10 @@ template <class E, int D, class Sched> __global__ void __launch_bounds__(256)
 #pragma unroll
     for (int c = 0; c < 8; ++c) {
       float x = E::to_float(elem(ov[k], c));
+      if (restore) {
+        const uint32_t w = c < 4 ? rv[k].x : rv[k].y;
+        x = residual_decode(static_cast<int8_t>((w >> (8 * (c % 4))) & 0xffu), x, E::type);
+      }
       if (coarse) x -= (gated ? E::to_float(elem(gv[k], c)) : 1.f) * E::to_float(elem(cv, c));
       acc += E::to_float(elem(dv[k], c)) * x;
     }

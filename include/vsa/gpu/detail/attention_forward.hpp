@@ -14,11 +14,16 @@ namespace detail {
 
 struct forward_params {
   operand q, k, v, o;
-  float* lse;    // [B·Hq, rows_total], natural log; +inf where a row attends nothing
-  float* scores; // optional [B·Hq, rows_total, rows_total]: scaled scores before the softmax (dense only)
+  float* lse; // [B·Hq, rows_total], natural log; +inf where a row attends nothing
+  // The dense pass (coarse attention): [B·Hq, rows_total, rows_total] scaled scores, read instead of formed
+  // (load_scores); scale_log2 is then log2(e).
+  const float* scores;
   // Optional combine epilogue of the whole op: o = o_s + g ⊙ o_c[tile], g from `gate` (data null: g = 1).
   const uint16_t* o_c; // [B·Hq·N, D] or null
   operand gate;
+  // Optional [B·Hq, rows_total, D]: what rounding o to 16 bits lost, one byte an element (residual_encode),
+  // so that the op's backward takes its row term from o as it was before rounding.
+  int8_t* o_residual;
   int64_t q_heads;
   int64_t group; // q_heads / kv_heads
   float scale;
@@ -81,16 +86,18 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
   constexpr bool tma = false;
 #endif
   const auto count = s.valid_counter();
+  // The dense pass reads its scores: it copies neither Q nor K.
+  constexpr bool products_s = !Sched::few_blocks;
   const auto load_kv = [&](int64_t j, int buf) { // copy_tile path; j = -1 copies nothing but zeros
     const int kv = count.valid(j);
-    copy_tile(sk(buf), p.k.tile(b, hk, j), p.k.token, kv, tid, nthreads);
+    if (products_s) copy_tile(sk(buf), p.k.tile(b, hk, j), p.k.token, kv, tid, nthreads);
     copy_tile(sv(buf), p.v.tile(b, hk, j), p.v.token, kv, tid, nthreads);
   };
   // The list entry and valid count of each step are read a step ahead, so that neither the load nor the
   // count (two divisions, done by multiplication: tile_valid_counter) waits behind the step's products.
   int64_t j = steps > 0 ? s.at(begin) : -1, j_next = steps > 1 ? s.at(begin + 1) : -1;
   int kv = count.valid(j);
-  copy_tile(sq, p.q.tile(b, h, i), p.q.token, q_valid, tid, nthreads);
+  if (products_s) copy_tile(sq, p.q.tile(b, h, i), p.q.token, q_valid, tid, nthreads);
   if (steps > 0) {
 #if VSA_WGMMA
     if (tma) {
@@ -118,7 +125,7 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
   copy_wait<0>();
   __syncthreads();
   typename M::row_frag qf;
-  if constexpr (M::rows_in_registers) M::load_rows(qf, sq, row0);
+  if constexpr (M::rows_in_registers && products_s) M::load_rows(qf, sq, row0);
   if (q_shares) __syncthreads(); // Q's slot is refilled by the first prefetch
 
   // One step's online softmax, in base 2, on the raw scores st of a key tile with kv valid rows: st becomes P
@@ -151,9 +158,19 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
       sum[r] = 0.f;
     }
 #pragma unroll
-    for (int e = 0; e < n; ++e) {
-      st.x[e] = fast_exp2(fmaf(st.x[e], p.scale_log2, nbase[M::elem_slot(e)]));
-      sum[M::elem_slot(e)] += st.x[e];
+    for (int e = 0; e < n; ++e) st.x[e] = fast_exp2(fmaf(st.x[e], p.scale_log2, nbase[M::elem_slot(e)]));
+      // The row sums add P as P·V sees it, rounded to E, so that o's weights sum to one. Summed unrounded, they
+      // did not: the row maximum's exponent is not 0 but the rounding error of max · scale_log2, up to half its
+      // last place (2^-10 where that product nears 2·10^4, as with q and k of scale 64), and its P, just off 1,
+      // rounds to 1 for the product. A sharp row's o then missed v by that factor, and the backward's row term,
+      // delta = dO · o, missed dO · v by as much, which at such scores is the whole of dS (README.md, accuracy;
+      // bench/NOTES.md, v13). Elements e and e + 1 (e even) share a row and form one operand register in every
+      // layout, so the rounding is the pack's own.
+#pragma unroll
+    for (int e = 0; e < n; e += 2) {
+      float lo, hi;
+      rounded_pair<E>(st.x[e], st.x[e + 1], lo, hi);
+      sum[M::elem_slot(e)] += lo + hi;
     }
     // Each lane keeps a partial row sum; the lanes of a row agree on m, so one reduction at the end suffices.
 #pragma unroll
@@ -251,52 +268,26 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
         constexpr int W = decltype(width)::value;
         [[maybe_unused]] constexpr int n = step_elems<M, W>;
         typename M::score_tile st;
+        if constexpr (!products_s) {
+          load_scores<M>(st, p.scores + bh * s.rows_total() * s.rows_total(), s, i, j, row0, false);
+        } else {
 #if VSA_WGMMA
-        if (tma) kc.wait();
-        M::template nt_into<W>(st, sq, sk(buf));
-        M::template wait_first<0, W>(st);
-        if (tma) {
-          __syncthreads(); // every warp's Q·Kᵀ has read K
-          if (tid == 0 && pos + 1 < end) fetch(sk(0), &p.k_map, &ready[0], j_next);
-        }
+          if (tma) kc.wait();
+          M::template nt_into<W>(st, sq, sk(buf));
+          M::template wait_first<0, W>(st);
+          if (tma) {
+            __syncthreads(); // every warp's Q·Kᵀ has read K
+            if (tid == 0 && pos + 1 < end) fetch(sk(0), &p.k_map, &ready[0], j_next);
+          }
 #else
 #pragma unroll
-        for (int e = 0; e < n; ++e) st.x[e] = 0.f;
-        if constexpr (M::rows_in_registers) {
-          M::template nt<W>(st, qf, sk(buf));
-        } else {
-          M::template nt<W>(st, sq, row0, sk(buf));
-        }
-#endif
-        if constexpr (Sched::few_blocks) { // only the coarse pass writes scores
-          if (p.scores != nullptr) {
-            // Elements e and e + 1 (e even) are neighbours in one row in every accumulator layout, so they go
-            // out as one 8-byte store where the row length keeps it aligned. Offsets inside the block fit 32 bits.
-            const int len = static_cast<int>(s.rows_total());
-            float* out = p.scores + (bh * len + i * 64) * len + j * 64;
-            const bool pairs = len % 2 == 0 && reinterpret_cast<uintptr_t>(p.scores) % 8 == 0;
-            if (pairs && q_valid == tile_rows && kv == tile_rows) {
-              // A whole block (every one but the last row and column of blocks): no test per pair.
-#pragma unroll
-              for (int e = 0; e < n; e += 2) {
-                const int r = row0 + M::elem_row(e), c = M::elem_col(e);
-                *reinterpret_cast<float2*>(out + r * len + c) = make_float2(st.x[e] * p.scale, st.x[e + 1] * p.scale);
-              }
-            } else {
-#pragma unroll
-              for (int e = 0; e < n; e += 2) {
-                const int r = row0 + M::elem_row(e), c = M::elem_col(e);
-                if (r >= q_valid) continue;
-                const float x0 = st.x[e] * p.scale, x1 = st.x[e + 1] * p.scale;
-                if (pairs && c + 1 < kv) {
-                  *reinterpret_cast<float2*>(out + r * len + c) = make_float2(x0, x1);
-                } else {
-                  if (c < kv) out[r * len + c] = x0;
-                  if (c + 1 < kv) out[r * len + c + 1] = x1;
-                }
-              }
-            }
+          for (int e = 0; e < n; ++e) st.x[e] = 0.f;
+          if constexpr (M::rows_in_registers) {
+            M::template nt<W>(st, qf, sk(buf));
+          } else {
+            M::template nt<W>(st, sq, row0, sk(buf));
           }
+#endif
         }
 
         float alpha[R];
@@ -357,7 +348,14 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
       x0 += g0 * E::to_float(oc[col]);
       x1 += g1 * E::to_float(oc[col + 1]);
     }
-    *reinterpret_cast<uint32_t*>(out + row * p.o.token + col) = E::pack(x0, x1);
+    const uint32_t packed = E::pack(x0, x1);
+    *reinterpret_cast<uint32_t*>(out + row * p.o.token + col) = packed;
+    if (p.o_residual != nullptr) {
+      const int8_t r0 = residual_encode(x0, E::to_float(static_cast<uint16_t>(packed & 0xffffu)), E::type);
+      const int8_t r1 = residual_encode(x1, E::to_float(static_cast<uint16_t>(packed >> 16)), E::type);
+      *reinterpret_cast<uint16_t*>(p.o_residual + (bh * rows_total + i * 64 + row) * D + col) =
+          static_cast<uint16_t>(static_cast<uint8_t>(r0) | (static_cast<uint8_t>(r1) << 8));
+    }
   }
 }
 

@@ -7,6 +7,7 @@
 #pragma once
 
 #include "../../geometry.hpp"
+#include "../../numeric.hpp"
 #include "../runtime.hpp"
 
 #include <type_traits>
@@ -127,6 +128,26 @@ struct dense_schedule {
   }
   __device__ __forceinline__ int64_t at(int64_t pos) const { return pos; }
 };
+
+// The dense pass reads its scores instead of forming Q·Kᵀ: coarse_scores computes them beforehand from the fp32
+// tile means, at about 2^-16 of their size, where one product of the 16-bit means errs by 2^-9 of it. Scores of
+// tile means are large (a mean of few tokens keeps the tokens' scale), their softmax sharp, and at the scales
+// models produce that error moved the coarse branch's gradients by tens of percent (README.md, accuracy).
+// Fills the score tile of rows row0.. of block `rows` against block `cols` from `scores`, one head's [length,
+// length] fp32 matrix of scaled scores with a row per query. transposed: the tile's rows are keys, its columns
+// queries (Sᵀ, as dk and dv take it). Entries past the length read 0 (the kernels mask their columns and drop
+// their rows).
+template <class M> __device__ __forceinline__ void load_scores(typename M::score_tile& st, const float* scores,
+                                                               const dense_schedule& s, int64_t rows, int64_t cols,
+                                                               int row0, bool transposed) {
+  const int64_t len = s.length;
+#pragma unroll
+  for (int e = 0; e < M::score_elems; ++e) {
+    const int64_t r = rows * 64 + row0 + M::elem_row(e), c = cols * 64 + M::elem_col(e);
+    const int64_t row = transposed ? c : r, col = transposed ? r : c;
+    st.x[e] = r < len && c < len ? scores[row * len + col] : 0.f;
+  }
+}
 
 } // namespace detail
 } // namespace gpu
