@@ -15,15 +15,24 @@ namespace vsa {
 inline constexpr float log2_e = 1.4426950408889634f;
 
 namespace detail {
+// HIP's device code has no memcpy; its compiler (clang) has the bit cast built in.
 VSA_HOST_DEVICE inline uint32_t float_bits(float f) {
+#if defined(__HIP_DEVICE_COMPILE__)
+  return __builtin_bit_cast(uint32_t, f);
+#else
   uint32_t u;
   memcpy(&u, &f, sizeof(u));
   return u;
+#endif
 }
 VSA_HOST_DEVICE inline float bits_float(uint32_t u) {
+#if defined(__HIP_DEVICE_COMPILE__)
+  return __builtin_bit_cast(float, u);
+#else
   float f;
   memcpy(&f, &u, sizeof(f));
   return f;
+#endif
 }
 } // namespace detail
 

@@ -28,7 +28,8 @@ struct config {
   layout order;
   token_order tokens;
   float eps;
-  double v_mean; // a common offset of v, which the kernels' centering must absorb
+  double v_mean;         // a common offset of v, which the kernels' centering must absorb
+  double qk_scale = 1.0; // q and k multiplied by it: activations at the scales models produce
 };
 
 std::string describe(const config& c) {
@@ -36,7 +37,7 @@ std::string describe(const config& c) {
          std::to_string(c.batch) + " Hq" + std::to_string(c.q_heads) + " Hkv" + std::to_string(c.kv_heads) + " D" +
          std::to_string(c.head_dim) + " " + dtype_name(c.type) + (c.order == layout::bshd ? " bshd" : " bhsd") +
          (c.tokens == token_order::tiled ? " tiled" : " raster") + " eps " + std::to_string(c.eps) + " v mean " +
-         std::to_string(c.v_mean);
+         std::to_string(c.v_mean) + " q, k scale " + std::to_string(c.qk_scale);
 }
 
 std::vector<config> configs() {
@@ -68,13 +69,13 @@ bool is_padding(const config& c, int64_t s) {
 
 // Normal values (plus `mean`) in every token, NaN in the padding slots of a tiled tensor: those must never
 // be read.
-host_tensor input(const config& c, int64_t heads, rng& g, double mean = 0.0) {
+host_tensor input(const config& c, int64_t heads, rng& g, double mean = 0.0, double scale = 1.0) {
   host_tensor x(c.type, c.batch, token_count(c), heads, c.head_dim, c.order);
   for (int64_t b = 0; b < x.batch; ++b)
     for (int64_t s = 0; s < x.tokens; ++s)
       for (int64_t h = 0; h < x.heads; ++h)
         for (int64_t d = 0; d < x.dim; ++d)
-          x.set(b, s, h, d, is_padding(c, s) ? std::numeric_limits<double>::quiet_NaN() : mean + g.normal());
+          x.set(b, s, h, d, is_padding(c, s) ? std::numeric_limits<double>::quiet_NaN() : mean + scale * g.normal());
   return x;
 }
 
@@ -103,8 +104,8 @@ void check_feature(const config& c, feature_map phi) {
   VSA_TEST_RNG(g, label.c_str());
   INFO(label);
   const int64_t tokens = token_count(c);
-  const host_tensor q = input(c, p.q_heads, g), k = input(c, p.kv_heads, g), v = input(c, p.kv_heads, g, c.v_mean),
-                    d_o = input(c, p.q_heads, g);
+  const host_tensor q = input(c, p.q_heads, g, 0.0, c.qk_scale), k = input(c, p.kv_heads, g, 0.0, c.qk_scale),
+                    v = input(c, p.kv_heads, g, c.v_mean), d_o = input(c, p.q_heads, g);
   const device_tensor q_d(q), k_d(k), v_d(v), d_o_d(d_o);
 
   // Forward.
@@ -212,6 +213,19 @@ void check_feature(const config& c, feature_map phi) {
 TEST_CASE("linear attention matches the reference", "[gpu][linear]") {
   for (const config& c : configs())
     for (const feature_map phi : {feature_map::softmax, feature_map::elu1, feature_map::relu}) check_feature(c, phi);
+}
+
+// The scale sweep of the accuracy tests (test_accuracy.cpp) for the linear branch: q and k multiplied by s, every
+// feature map, tiled and raster order, the same tolerances as at unit scale.
+TEST_CASE("linear attention at the scales models produce", "[gpu][linear][accuracy]") {
+  for (const double s : {4.0, 16.0, 32.0, 64.0}) {
+    const std::vector<config> sweep = {
+        {{5, 9, 13}, 1, 4, 2, 128, dtype::bf16, layout::bshd, token_order::tiled, 1e-3f, 0.0, s},
+        {{8, 8, 8}, 1, 2, 2, 64, dtype::fp16, layout::bhsd, token_order::raster, 1e-3f, 0.0, s},
+    };
+    for (const config& c : sweep)
+      for (const feature_map phi : {feature_map::softmax, feature_map::elu1, feature_map::relu}) check_feature(c, phi);
+  }
 }
 
 TEST_CASE("linear attention rejects bad arguments", "[gpu][linear]") {
