@@ -10,6 +10,25 @@ vsa_die() {
 }
 vsa_section() { printf '\n==== %s ====\n' "$*"; }
 
+# vsa_usage_on_help "$@": with -h or --help as the first argument, prints the calling script's header comment (its
+# usage) and exits; otherwise does nothing. Called by each script before it installs or builds anything.
+vsa_usage_on_help() {
+  case "${1:-}" in
+  -h | --help) ;;
+  *) return 0 ;;
+  esac
+  local line
+  while IFS= read -r line; do
+    case "$line" in
+    '#!'*) continue ;;
+    '# shellcheck'*) break ;;
+    '#'*) line="${line#\#}"; printf '%s\n' "${line# }" ;;
+    *) break ;;
+    esac
+  done <"${BASH_SOURCE[1]}"
+  exit 0
+}
+
 # Installs the Debian packages among "$@" that are missing, when running as root with apt-get; otherwise (or when
 # apt-get fails) says which are missing and goes on, so that the build reports what it actually lacks.
 vsa_install_packages() {

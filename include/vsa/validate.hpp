@@ -152,4 +152,15 @@ inline status check_q2k_host(const problem& p, const const_index_lists& idx) {
   return status::ok();
 }
 
+// The op's k from options (resolve_top_k), or the error naming the one option that was used: top_k when it is
+// set, sparsity otherwise, with the range it must be in.
+inline status resolve_op_top_k(int64_t num_tiles, const options& opt, int64_t& k) {
+  k = resolve_top_k(num_tiles, opt);
+  if (k != 0) return status::ok();
+  if (opt.top_k != 0)
+    return status::error(errc::bad_top_k, "top_k: %lld is outside 1..%lld (the grid's tiles)", (long long)opt.top_k,
+                         (long long)num_tiles);
+  return status::error(errc::bad_top_k, "sparsity: %g is outside [0, 1) (it sets k when top_k is 0)", opt.sparsity);
+}
+
 } // namespace vsa

@@ -257,6 +257,10 @@ TEST_CASE("bad tensors, options and lists are rejected by name with outputs unto
     options bad = opt;
     bad.top_k = k;
     expect(forward_with(bad, w.fwd()), errc::bad_top_k, "top_k");
+    // Only the option that was used is named, with its range.
+    const status s = forward_with(bad, w.fwd());
+    CHECK(!test::mentions(s, "sparsity"));
+    CHECK(test::mentions(s, ("1.." + std::to_string(w.n)).c_str()));
   }
   for (double sparsity : {1.0, -0.1, static_cast<double>(NAN)}) {
     options bad;

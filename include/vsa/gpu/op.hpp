@@ -48,10 +48,8 @@ inline status plan_op(const problem& p, const options& opt, op_workspace& w) {
   const std::size_t e = dtype_size(p.type), d = static_cast<std::size_t>(p.head_dim);
   w.coarse = opt.q2k.q2k == nullptr;
   if (w.coarse) {
-    w.top_k = resolve_top_k(n, opt);
-    if (w.top_k == 0)
-      return status::error(errc::bad_top_k, "top_k/sparsity: k = %lld, sparsity = %g do not give k in 1..%lld",
-                           (long long)opt.top_k, opt.sparsity, (long long)n);
+    s = resolve_op_top_k(n, opt, w.top_k);
+    if (!s) return s;
     w.capacity = w.top_k;
   } else {
     w.capacity = opt.q2k.q2k_capacity;

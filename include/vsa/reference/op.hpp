@@ -135,11 +135,7 @@ inline status plan_op(const problem& p, const options& opt, op_plan& plan) {
                            (long long)opt.q2k.q2k_capacity);
     return status::ok();
   }
-  plan.top_k = resolve_top_k(n, opt);
-  if (plan.top_k == 0)
-    return status::error(errc::bad_top_k, "top_k/sparsity: top_k %lld or sparsity %g is out of range for N = %lld",
-                         (long long)opt.top_k, opt.sparsity, (long long)n);
-  return status::ok();
+  return resolve_op_top_k(n, opt, plan.top_k);
 }
 
 // The checks of a real call that a size query skips: the scale, the gate against the branch, the caller's lists.
