@@ -61,8 +61,7 @@ struct fp16_type {
 #endif
 };
 
-// x0 and x1 as E::pack rounds them, back in fp32: the same packing instruction, so that the compiler can share
-// it with the pack of a matrix operand made from the same pair.
+// x0 and x1 as E::pack rounds them, back in fp32 (the same packing instruction, so the same rounding).
 template <class E> __device__ __forceinline__ void rounded_pair(float x0, float x1, float& lo, float& hi) {
   const uint32_t w = E::pack(x0, x1);
   lo = E::to_float(static_cast<uint16_t>(w & 0xffffu));

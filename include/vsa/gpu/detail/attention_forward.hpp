@@ -158,14 +158,17 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
       sum[r] = 0.f;
     }
 #pragma unroll
-    for (int e = 0; e < n; ++e) st.x[e] = fast_exp2(fmaf(st.x[e], p.scale_log2, nbase[M::elem_slot(e)]));
-      // The row sums add P as P·V sees it, rounded to E, so that o's weights sum to one. Summed unrounded, they
-      // did not: the row maximum's exponent is not 0 but the rounding error of max · scale_log2, up to half its
-      // last place (2^-10 where that product nears 2·10^4, as with q and k of scale 64), and its P, just off 1,
-      // rounds to 1 for the product. A sharp row's o then missed v by that factor, and the backward's row term,
-      // delta = dO · o, missed dO · v by as much, which at such scores is the whole of dS (README.md, accuracy;
-      // bench/NOTES.md, v13). Elements e and e + 1 (e even) share a row and form one operand register in every
-      // layout, so the rounding is the pack's own.
+    for (int e = 0; e < n; ++e) {
+      st.x[e] = fast_exp2(fmaf(st.x[e], p.scale_log2, nbase[M::elem_slot(e)]));
+    }
+    // The row sums add P as P·V sees it, rounded to E, so that o's weights sum to one. Summed unrounded, they
+    // did not: the row maximum's exponent is not 0 but the rounding error of max · scale_log2, up to half its
+    // last place (2^-10 where that product nears 2·10^4, as with q and k of scale 64), and its P, just off 1,
+    // rounds to 1 for the product. A sharp row's o then missed v by that factor, and the backward's row term,
+    // delta = dO · o, missed dO · v by as much, which at such scores is the whole of dS (README.md, accuracy;
+    // bench/NOTES.md, v13). Elements e and e + 1 (e even) share a row and form one operand register in every
+    // layout, so the rounding is exactly the pack's (ptxas does not merge the two packs: about 1.5 instructions
+    // an element more, the v13 notes' forward cost).
 #pragma unroll
     for (int e = 0; e < n; e += 2) {
       float lo, hi;
