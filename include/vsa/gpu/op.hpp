@@ -3,11 +3,12 @@
 // Forward: block means (and the fp32 means of q and k) → coarse scores → coarse attention (o_c, lse_c) →
 // top-k → q2k → k2q → sparse attention with o = o_s + g ⊙ o_c written by its epilogue. What the backward
 // needs stays in the workspace: the means, o_c, lse_c, the index lists, the fine log-sum-exp and o's rounding
-// residual. Backward: dgate and the tile sums of g ⊙ dO → coarse scores again → coarse attention backward
-// (fp32 dq_c, dk_c, dv_c) →
-// delta = rowsum(dO ⊙ (o + residual − g ⊙ o_c)) → dq walking q2k and dk, dv walking k2q, each adding the
-// block-mean backward of the coarse gradients (d·_c / valid count, on every valid slot of the tile) in its
-// epilogue.
+// residual.
+// Backward: dgate and the tile sums of g ⊙ dO → coarse scores again → coarse attention backward (fp32 dq_c,
+// dk_c, dv_c) → delta = rowsum(dO ⊙ (o + residual − g ⊙ o_c)) → dq walking q2k and dk, dv walking k2q, each
+// adding the block-mean backward of the coarse gradients (d·_c / valid count, on every valid slot of the tile)
+// in its epilogue. The coarse kernels still size shared memory for Q and K tiles they no longer copy (the
+// dense schedule reads its scores); harmless, as they run under one wave.
 //
 // The residuals (one byte an element of o and of o_c, residual_encode in numeric.hpp) are what make each row
 // term that of the output as the forward computed it, not after its rounding (and o's, after o_c's too): at
