@@ -9,6 +9,8 @@
 // to shared memory and added by the copy engine as one 32 KB bulk reduce (its 64 rows are contiguous in the
 // accumulator); the shared-memory writes alone. Each variant's result is checked: element (row, column) of
 // query tile i holds (times i was picked) × 10⁻³ × (column mod 8).
+#include "probe_check.hpp"
+
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -17,15 +19,6 @@
 #include <cstdio>
 #include <random>
 #include <vector>
-
-#define CHECK(x)                                                                                                       \
-  do {                                                                                                                 \
-    const cudaError_t e = (x);                                                                                         \
-    if (e != cudaSuccess) {                                                                                            \
-      std::printf("%s: %s\n", #x, cudaGetErrorString(e));                                                              \
-      return 1;                                                                                                        \
-    }                                                                                                                  \
-  } while (0)
 
 constexpr int N = 624, H = 12, D = 128, K = 63; // tiles, heads, head dim, query tiles per key tile
 

@@ -115,9 +115,10 @@ void place(smem& s, uint32_t base, const tile& t, int d) {
         s.store(base + 2 * static_cast<uint32_t>(sl::panel_chunk_offset(r, c) + e), t[r][8 * c + e]);
 }
 
-// The descriptor of one k step of the tile at byte address base, as wgmma::descriptor builds it on the device.
+// The descriptor of one k step of the tile at byte address base, as wgmma::descriptor builds it on the device:
+// the tile's descriptor plus the step's offset in 16-byte units.
 uint64_t descriptor(uint32_t base, wl::operand_step step) {
-  return wl::descriptor(base + 2 * static_cast<uint32_t>(step.offset), step.lead_bytes, step.stride_bytes);
+  return wl::descriptor(base, step.lead_bytes, step.stride_bytes) + static_cast<uint64_t>((2 * step.offset) >> 4);
 }
 
 // The operand read through a descriptor: [mn][k].
@@ -298,6 +299,29 @@ TEST_CASE("wgmma descriptors pack their fields where the PTX ISA puts them", "[c
   CHECK((desc & ~used) == 0);
   // Every shared tile of a block starts below 228 KiB, within the 18 bits the start field holds.
   CHECK(decode(wl::descriptor(227 * 1024, 16, 1024)).start == 227 * 1024);
+}
+
+TEST_CASE("a k step's descriptor is its tile's plus the step's offset", "[cpu][wgmma]") {
+  // The device adds each step's offset to the packed descriptor of the tile; that equals packing the step's own
+  // address for every tile start a block can have (1024-byte aligned, the tile inside 227 KiB) and every step of
+  // the three operand forms, because the start field never carries into the next one.
+  int checked = 0;
+  for (int d : {64, 128}) {
+    const uint32_t tile_bytes = 64u * static_cast<uint32_t>(d) * 2u;
+    for (uint32_t base = 0; base + tile_bytes <= 227u * 1024u; base += 1024) {
+      std::vector<wl::operand_step> steps;
+      for (int ks = 0; ks < d / 16; ++ks) steps.push_back(wl::k_major(ks));
+      for (int kk = 0; kk < 4; ++kk) steps.push_back(wl::mn_major(kk));
+      for (int g = 0; g < d / 64; ++g)
+        for (int kk = 0; kk < 4; ++kk) steps.push_back(wl::mn_major_panel(g, kk));
+      for (const wl::operand_step& st : steps) {
+        const uint64_t packed = wl::descriptor(base + 2 * static_cast<uint32_t>(st.offset), st.lead_bytes, st.stride_bytes);
+        if (descriptor(base, st) != packed) FAIL("base " << base << ", offset " << st.offset);
+        ++checked;
+      }
+    }
+  }
+  CHECK(checked > 1000);
 }
 
 TEST_CASE("copy_tile's chunk placement fills each tile byte once", "[cpu][wgmma]") {

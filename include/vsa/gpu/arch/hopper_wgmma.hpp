@@ -33,10 +33,15 @@ namespace gpu {
 
 namespace wgmma {
 
-// Shared-memory matrix descriptor of k step s of the tile at t (bit packing and strides: smem_layout.hpp).
+// Shared-memory matrix descriptor of k step s of the tile at t (bit packing and strides: smem_layout.hpp). The
+// step's offset is added to the descriptor of the tile's start, not to the address before packing it: the
+// start field is the address / 16 (14 bits; shared memory ends below 2^18 bytes, so the sum cannot carry out of
+// it), and s.offset is a constant once the k loop is unrolled, so every k step of a tile shares one packed
+// descriptor plus an immediate. Packing each step's address anew cost ~30 instructions a wgmma (the
+// shift, mask and or of each field, then the moves to uniform registers; bench/NOTES.md, v14).
 __device__ __forceinline__ uint64_t descriptor(const uint16_t* t, wgmma_layout::operand_step s) {
-  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(t + s.offset));
-  return wgmma_layout::descriptor(a, s.lead_bytes, s.stride_bytes);
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(t));
+  return wgmma_layout::descriptor(a, s.lead_bytes, s.stride_bytes) + static_cast<uint64_t>((s.offset * 2) >> 4);
 }
 
 __device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
