@@ -13,6 +13,8 @@ namespace vsa {
 
 // log2(e): the kernels' softmax runs in base 2, with the scale folded into the exponent as scale · log2(e).
 inline constexpr float log2_e = 1.4426950408889634f;
+// ln(2): the kernels' base-2 log-sum-exp back to the natural log the API returns.
+inline constexpr float ln_2 = 0.6931471805599453f;
 
 namespace detail {
 // HIP's device code has no memcpy; its compiler (clang) has the bit cast built in.

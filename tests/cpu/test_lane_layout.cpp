@@ -8,6 +8,7 @@
 #include "support/catch.hpp"
 
 #include <vsa/gpu/arch/lane_layout.hpp>
+#include <vsa/numeric.hpp>
 
 #include <algorithm>
 #include <array>
@@ -527,7 +528,7 @@ template <class L, int D> band_result replay_band(const band_problem& b) {
       const bool live = row < b.q_valid && total[ln] > 0.f;
       inv[ln][r] = live ? 1.f / total[ln] : 0.f;
       if (L::row_leader(ln)) {
-        res.lse[i] = live ? (m[ln][r] + std::log2(total[ln])) * 0.6931471805599453f : inf;
+        res.lse[i] = live ? (m[ln][r] + std::log2(total[ln])) * vsa::ln_2 : inf;
         ++writes[i];
       }
     }

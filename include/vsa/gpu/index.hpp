@@ -50,10 +50,10 @@ struct k2q_layout {
     const int64_t local = vsa::detail::checked_mul(heads, columns);
     const int64_t blocks = vsa::detail::checked_mul(heads, count_blocks);
     if (words < 0 || local < 0 || blocks < 0 || words > (int64_t(1) << 58)) return false;
-    mask_bytes = round_up_256(static_cast<std::size_t>(words) * 4);
+    mask_bytes = vsa::detail::align_up(static_cast<std::size_t>(words) * 4);
     base_bytes = mask_bytes;
-    local_bytes = round_up_256(static_cast<std::size_t>(local) * 4);
-    block_bytes = round_up_256(static_cast<std::size_t>(blocks) * 4);
+    local_bytes = vsa::detail::align_up(static_cast<std::size_t>(local) * 4);
+    block_bytes = vsa::detail::align_up(static_cast<std::size_t>(blocks) * 4);
     return true;
   }
 };

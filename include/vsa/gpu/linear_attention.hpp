@@ -106,7 +106,6 @@ inline int64_t choose_slices(int64_t heads, int64_t units, int64_t slots, int64_
   return best;
 }
 
-inline std::size_t round_up(std::size_t n) { return (n + 255) / 256 * 256; }
 
 // Slices and workspace offsets of one call.
 struct plan {
@@ -159,7 +158,7 @@ template <class E, int D, feature_map F> status make_plan(const problem& p, toke
   std::size_t off = 0;
   const auto take = [&](std::size_t bytes) {
     const std::size_t at = off;
-    off += round_up(bytes);
+    off += vsa::detail::align_up(bytes);
     return at;
   };
   w.partial = take(records * rec);
@@ -220,7 +219,7 @@ template <class E, int D, feature_map F> status run_state(const problem& p, cons
 // Where a call's state lives: in the caller's linear_state where one is given (KVn of every head, then z, m, σ
 // of every head), otherwise in the workspace.
 inline std::size_t state_matrix_bytes(const problem& p) {
-  return round_up(static_cast<std::size_t>(p.batch * p.kv_heads * p.head_dim * p.head_dim) * 2);
+  return vsa::detail::align_up(static_cast<std::size_t>(p.batch * p.kv_heads * p.head_dim * p.head_dim) * 2);
 }
 inline state_view state_in(const plan& w, void* workspace, void* saved, const problem& p) {
   if (saved != nullptr)
@@ -249,7 +248,7 @@ struct linear_state {
 inline std::size_t linear_state_bytes(const problem& p) {
   if (!check_problem(p, target::gpu)) return 0;
   return gpu::detail::linear::state_matrix_bytes(p) +
-         gpu::detail::linear::round_up(static_cast<std::size_t>(p.batch * p.kv_heads * 3 * p.head_dim) * sizeof(float));
+         vsa::detail::align_up(static_cast<std::size_t>(p.batch * p.kv_heads * 3 * p.head_dim) * sizeof(float));
 }
 
 namespace gpu {

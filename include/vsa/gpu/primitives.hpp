@@ -130,7 +130,6 @@ inline unsigned grid_blocks(int64_t items, int64_t cap = int64_t(1) << 20) {
 }
 
 // Scratch sizes are rounded to 256 bytes, so that consecutive regions of one workspace stay aligned.
-inline std::size_t round_up_256(std::size_t n) { return (n + 255) / 256 * 256; }
 
 // A [B, S, H, D] tensor of 16-bit elements seen as rows of 16-byte vectors (V = uint4 or const uint4);
 // strides in vectors. The validation has checked that the strides are whole vectors.

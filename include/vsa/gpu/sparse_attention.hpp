@@ -17,8 +17,6 @@ inline status check_scale(float scale) {
   return status::ok();
 }
 
-inline std::size_t align_up(std::size_t n) { return (n + 255) / 256 * 256; }
-
 inline status check_lists(const problem& p, const const_index_lists& idx, bool need_k2q) {
   const int64_t n = tile_geometry(p.grid).num_tiles();
   status s = check_pointer("q2k", idx.q2k, 4);

@@ -39,7 +39,7 @@ struct op_layout {
   std::size_t add(int64_t count, std::size_t element) {
     const std::size_t at = total;
     const int64_t bytes = vsa::detail::checked_mul(count, static_cast<int64_t>(element));
-    const int64_t rounded = bytes < 0 || bytes > vsa::detail::size_limit ? -1 : (bytes + 255) / 256 * 256;
+    const int64_t rounded = bytes < 0 || bytes > vsa::detail::size_limit ? -1 : vsa::detail::align_up(bytes);
     if (rounded < 0 || static_cast<uint64_t>(rounded) > static_cast<uint64_t>(SIZE_MAX) - total)
       overflow = true;
     else

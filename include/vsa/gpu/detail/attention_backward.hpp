@@ -85,7 +85,6 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads))
   using M = attention_mma<E, D>;
   constexpr int nthreads = 4 * M::threads;
   constexpr int R = M::rows_per_lane;
-  constexpr float log2e = 1.4426950408889634f;
   constexpr int stages = smem_plan<D>::backward_stages(hopper_code);
 
   extern __shared__ uint4 smem_raw[];
@@ -136,7 +135,7 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads))
   for (int r = 0; r < R; ++r) {
     const int row = row0 + M::slot_row(r);
     const bool live = row < q_valid;
-    lse2[r] = live ? p.lse[bh * rows_total + i * 64 + row] * log2e : __builtin_huge_valf();
+    lse2[r] = live ? p.lse[bh * rows_total + i * 64 + row] * log2_e : __builtin_huge_valf();
     delta[r] = live ? p.delta[bh * rows_total + i * 64 + row] : 0.f;
   }
   typename M::out_tile dq;
@@ -221,7 +220,6 @@ template <class E, int D, class Sched> __global__ void __launch_bounds__((4 * wa
     attention_dkdv_kernel(const VSA_GRID_CONSTANT backward_params p, Sched s) {
   using M = attention_mma<E, D>;
   constexpr int nthreads = 4 * M::threads;
-  constexpr float log2e = 1.4426950408889634f;
   constexpr int stages = smem_plan<D>::backward_stages(hopper_code);
   constexpr bool stats_in_smem = smem_plan<D>::stats_in_smem(hopper_code);
 
@@ -274,7 +272,7 @@ template <class E, int D, class Sched> __global__ void __launch_bounds__((4 * wa
     }
     if (stats_in_smem && tid < 64) {
       const bool live = tid < qv;
-      stats[buf * 128 + tid] = live ? p.lse[bh * rows_total + i * 64 + tid] * log2e : __builtin_huge_valf();
+      stats[buf * 128 + tid] = live ? p.lse[bh * rows_total + i * 64 + tid] * log2_e : __builtin_huge_valf();
       stats[buf * 128 + 64 + tid] = live ? p.delta[bh * rows_total + i * 64 + tid] : 0.f;
     }
   };
@@ -315,7 +313,7 @@ template <class E, int D, class Sched> __global__ void __launch_bounds__((4 * wa
     const int cur_valid = s.valid(cur_i);
     const auto lse2 = [&](int c) {
       if constexpr (stats_in_smem) return stats[buf * 128 + c];
-      return c < cur_valid ? p.lse[cur_row + c] * log2e : __builtin_huge_valf();
+      return c < cur_valid ? p.lse[cur_row + c] * log2_e : __builtin_huge_valf();
     };
     const auto delta = [&](int c) {
       if constexpr (stats_in_smem) return stats[buf * 128 + 64 + c];

@@ -334,7 +334,7 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
     const bool live = row < q_valid && total > 0.f;
     inv[r] = live ? 1.f / total : 0.f;
     if ((Sched::has_padding_rows || row < q_valid) && M::row_leader())
-      p.lse[bh * rows_total + i * 64 + row] = live ? (m[r] + log2f(total)) * 0.6931471805599453f : inf;
+      p.lse[bh * rows_total + i * 64 + row] = live ? (m[r] + log2f(total)) * ln_2 : inf;
   }
   uint16_t* out = p.o.tile(b, h, i);
   const uint16_t* oc = p.o_c != nullptr ? p.o_c + (bh * s.tiles + i) * D : nullptr;

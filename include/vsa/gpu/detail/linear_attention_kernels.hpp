@@ -29,6 +29,7 @@
 #pragma once
 
 #include "../../geometry.hpp"
+#include "../../numeric.hpp"
 #include "../../types.hpp"
 #include "../arch/matrix.hpp"
 #include "../arch/wave_reduce.hpp"
@@ -38,8 +39,6 @@ namespace vsa {
 namespace gpu {
 namespace detail {
 namespace linear {
-
-constexpr float log2e = 1.4426950408889634f;
 
 // Resident blocks each kernel is compiled for (NVIDIA's second launch bound; it caps registers per
 // thread at 64K / (threads · blocks)). HIP's second bound means something else, so AMD gets only the first.
@@ -192,12 +191,12 @@ __device__ __forceinline__ void feature_band_scaled(typename warp_mma<E, D>::sco
 #pragma unroll
       for (int e = 0; e < M::score_elems; ++e) mx[M::elem_slot(e)] = fmaxf(mx[M::elem_slot(e)], x[c].x[e]);
 #pragma unroll
-    for (int r = 0; r < R; ++r) mx[r] = M::row_max(mx[r]) * log2e;
+    for (int r = 0; r < R; ++r) mx[r] = M::row_max(mx[r]) * log2_e;
 #pragma unroll
     for (int c = 0; c < T; ++c)
 #pragma unroll
       for (int e = 0; e < M::score_elems; ++e) {
-        const float y = fast_exp2(fmaf(x[c].x[e], log2e, -mx[M::elem_slot(e)]));
+        const float y = fast_exp2(fmaf(x[c].x[e], log2_e, -mx[M::elem_slot(e)]));
         x[c].x[e] = y;
         sum[M::elem_slot(e)] += y;
       }
@@ -219,7 +218,7 @@ __device__ __forceinline__ void feature_band_scaled(typename warp_mma<E, D>::sco
         // max(v, 0) + e^min(v, 0) is v + 1 for v > 0 and e^v otherwise, without a branch around the
         // exponential (which the compiler otherwise emits for every element).
         const float v = x[c].x[e];
-        x[c].x[e] = fmaxf(v, 0.f) + fast_exp2(fminf(v, 0.f) * log2e);
+        x[c].x[e] = fmaxf(v, 0.f) + fast_exp2(fminf(v, 0.f) * log2_e);
       }
   } else {
 #pragma unroll
@@ -247,10 +246,10 @@ __device__ __forceinline__ void softmax_part(typename warp_mma<E, D>::score_tile
 #pragma unroll
   for (int e = 0; e < M::score_elems; ++e) mx[M::elem_slot(e)] = fmaxf(mx[M::elem_slot(e)], x.x[e]);
 #pragma unroll
-  for (int r = 0; r < R; ++r) mx[r] = M::row_max(mx[r]) * log2e;
+  for (int r = 0; r < R; ++r) mx[r] = M::row_max(mx[r]) * log2_e;
 #pragma unroll
   for (int e = 0; e < M::score_elems; ++e) {
-    const float y = fast_exp2(fmaf(x.x[e], log2e, -mx[M::elem_slot(e)]));
+    const float y = fast_exp2(fmaf(x.x[e], log2_e, -mx[M::elem_slot(e)]));
     x.x[e] = y;
     sum[M::elem_slot(e)] += y;
   }
@@ -353,7 +352,7 @@ template <feature_map F, class E> __device__ __forceinline__ uint32_t feature_pa
       asm("max.f16x2 %0, %1, %2;" : "=r"(r) : "r"(w), "r"(0u));
   } else {
     const float lo = E::to_float(static_cast<uint16_t>(w & 0xffffu)), hi = E::to_float(static_cast<uint16_t>(w >> 16));
-    const uint32_t ex = E::pack(fast_exp2(lo * log2e), fast_exp2(hi * log2e));
+    const uint32_t ex = E::pack(fast_exp2(lo * log2_e), fast_exp2(hi * log2_e));
     uint32_t plus1, neg;
     if constexpr (E::is_bf16)
       asm("fma.rn.bf16x2 %0, %1, %2, %2;" : "=r"(plus1) : "r"(w), "r"(0x3f803f80u));
@@ -368,7 +367,7 @@ template <feature_map F, class E> __device__ __forceinline__ uint32_t feature_pa
   float x[2] = {E::to_float(static_cast<uint16_t>(w & 0xffffu)), E::to_float(static_cast<uint16_t>(w >> 16))};
 #pragma unroll
   for (int i = 0; i < 2; ++i)
-    x[i] = F == feature_map::relu ? fmaxf(x[i], 0.f) : x[i] > 0.f ? x[i] + 1.f : fast_exp2(x[i] * log2e);
+    x[i] = F == feature_map::relu ? fmaxf(x[i], 0.f) : x[i] > 0.f ? x[i] + 1.f : fast_exp2(x[i] * log2_e);
   return E::pack(x[0], x[1]);
 #endif
 }
@@ -392,10 +391,10 @@ __device__ __forceinline__ void feature_row_chunks(uint4* const (&chunk)[cpt], b
       float mc = x[0];
 #pragma unroll
       for (int i = 1; i < 8; ++i) mc = fmaxf(mc, x[i]);
-      mc = fmaxf(mx, mc * log2e);
+      mc = fmaxf(mx, mc * log2_e);
       sum *= fast_exp2(mx - mc);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) sum += fast_exp2(fmaf(x[i], log2e, -mc));
+      for (int i = 0; i < 8; ++i) sum += fast_exp2(fmaf(x[i], log2_e, -mc));
       mx = mc;
     }
     // The row's `tpr` partials merged by wave_reduce's group butterfly; the merge is symmetric in its two
@@ -419,7 +418,7 @@ __device__ __forceinline__ void feature_row_chunks(uint4* const (&chunk)[cpt], b
       float x[8];
       unpack<E>(*chunk[j], x);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) x[i] = fast_exp2(fmaf(x[i], log2e, -mx)) * sum;
+      for (int i = 0; i < 8; ++i) x[i] = fast_exp2(fmaf(x[i], log2_e, -mx)) * sum;
       *chunk[j] = pack<E>(x);
     }
   } else if ((F == feature_map::relu && !clear) || valid) {
