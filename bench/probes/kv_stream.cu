@@ -25,8 +25,7 @@ using vsa::gpu::tma_map;
 constexpr int N = 624, H = 12, D = 128, K = 63;
 
 // Streams a block runs (each a query tile's list), and tiles in flight per stream (K and V alternate).
-template <int Streams, int Tiles>
-__global__ void __launch_bounds__(32 * (Streams + 1), 1)
+template <int Streams, int Tiles> __global__ void __launch_bounds__(32 * (Streams + 1), 1)
     stream_kernel(const __grid_constant__ tma_map kmap, const __grid_constant__ tma_map vmap, const int32_t* lists,
                   unsigned* sink) {
 #if VSA_WGMMA // the copy engine's device side exists in sm_90a code only
@@ -70,8 +69,7 @@ __global__ void __launch_bounds__(32 * (Streams + 1), 1)
 #endif
 }
 
-template <int Streams, int Tiles>
-int run(const tma_map& km, const tma_map& vm, const int32_t* lists, unsigned* sink) {
+template <int Streams, int Tiles> int run(const tma_map& km, const tma_map& vm, const int32_t* lists, unsigned* sink) {
   const auto kernel = stream_kernel<Streams, Tiles>;
   const int smem = Streams * Tiles * 64 * D * 2 + 1024;
   CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));

@@ -21,7 +21,9 @@ inline constexpr int64_t size_limit = int64_t(1) << 60; // keeps every product b
 // Every piece of a workspace starts on a 256-byte boundary (what the runtimes' allocators give, and more than
 // any kernel's vector loads need): n rounded up to it. The one rule for every entry point's workspace.
 inline constexpr int workspace_alignment = 256;
-template <class T> constexpr T align_up(T n) { return (n + workspace_alignment - 1) / workspace_alignment * workspace_alignment; }
+template <class T> constexpr T align_up(T n) {
+  return (n + workspace_alignment - 1) / workspace_alignment * workspace_alignment;
+}
 
 // a·b, or -1 when it would pass size_limit (operands are non-negative).
 inline int64_t checked_mul(int64_t a, int64_t b) {

@@ -315,7 +315,8 @@ TEST_CASE("a k step's descriptor is its tile's plus the step's offset", "[cpu][w
       for (int g = 0; g < d / 64; ++g)
         for (int kk = 0; kk < 4; ++kk) steps.push_back(wl::mn_major_panel(g, kk));
       for (const wl::operand_step& st : steps) {
-        const uint64_t packed = wl::descriptor(base + 2 * static_cast<uint32_t>(st.offset), st.lead_bytes, st.stride_bytes);
+        const uint64_t packed =
+            wl::descriptor(base + 2 * static_cast<uint32_t>(st.offset), st.lead_bytes, st.stride_bytes);
         if (descriptor(base, st) != packed) FAIL("base " << base << ", offset " << st.offset);
         ++checked;
       }

@@ -106,7 +106,6 @@ inline int64_t choose_slices(int64_t heads, int64_t units, int64_t slots, int64_
   return best;
 }
 
-
 // Slices and workspace offsets of one call.
 struct plan {
   bool hopper = false; // the kernels run as Hopper code: their shared memory includes tile_slack

@@ -92,11 +92,11 @@ inline status check_coarse(const problem& p, float scale) {
 inline std::vector<double> widened(const float* x, int64_t n) { return std::vector<double>(x, x + n); }
 
 // The residual bytes of o rounded to t (numeric.hpp): what the GPU's epilogue writes beside a 16-bit output.
+// Zeros for f32 and f64, which are not rounded to 16 bits.
 inline void encode_residuals(const double* o, int64_t n, dtype t, int8_t* codes) {
-  for (int64_t e = 0; e < n; ++e) {
-    const bool narrow = t == dtype::bf16 || t == dtype::fp16;
+  const bool narrow = t == dtype::bf16 || t == dtype::fp16;
+  for (int64_t e = 0; e < n; ++e)
     codes[e] = narrow ? residual_encode(static_cast<float>(o[e]), static_cast<float>(round_to(o[e], t)), t) : 0;
-  }
 }
 // o (read back from its 16-bit storage) with its residual added back.
 inline void decode_residuals(double* o, int64_t n, dtype t, const int8_t* codes) {

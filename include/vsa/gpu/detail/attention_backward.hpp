@@ -309,7 +309,8 @@ template <class E, int D, class Sched> __global__ void __launch_bounds__((4 * wa
     copy_commit();
 
     // Statistics of the current query tile's rows, from shared memory or straight from global memory.
-    const int64_t cur_i = s.at(pos), cur_row = (b * p.q_heads + hk * p.group + g) * rows_total + cur_i * 64;
+    const int64_t cur_i = s.at(pos), cur_bh = b * p.q_heads + hk * p.group + g,
+                  cur_row = cur_bh * rows_total + cur_i * 64;
     const int cur_valid = s.valid(cur_i);
     const auto lse2 = [&](int c) {
       if constexpr (stats_in_smem) return stats[buf * 128 + c];
@@ -325,8 +326,7 @@ template <class E, int D, class Sched> __global__ void __launch_bounds__((4 * wa
     if constexpr (products_s) {
       M::nt(st, sk, row0, sq(buf)); // Sᵀ: rows are keys, columns queries
     } else {
-      const int64_t bh = b * p.q_heads + hk * p.group + g;
-      load_scores<M>(st, p.scores + bh * rows_total * rows_total, s, j, cur_i, row0, true);
+      load_scores<M>(st, p.scores + cur_bh * rows_total * rows_total, s, j, cur_i, row0, true);
     }
     M::nt(dp, sv, row0, sdo(buf)); // dPᵀ
 #pragma unroll
