@@ -8,6 +8,7 @@
 
 #include <benchmark/benchmark.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -171,6 +172,23 @@ template <class F> void time_on_stream(benchmark::State& state, gpu::stream_t st
     float ms = 0.f;
     check(event_elapsed(&ms, start, stop), "elapsed");
     state.SetIterationTime(ms * 1e-3);
+  }
+}
+
+// Times f on the host: each iteration the mean of `calls` back-to-back calls, queued behind a hold so that none
+// waits for the GPU: what a call costs its caller's thread (argument checks, planning, launches), which a
+// binding in another language adds its own cost to.
+template <class F> void time_on_host(benchmark::State& state, gpu::stream_t stream, F&& f, int calls = 10) {
+  for (int i = 0; i < 3; ++i) f();
+  check(device_sync(), "warm-up");
+  for (auto _ : state) {
+    hold_stream_kernel<<<1, 1, 0, stream>>>(hold_cycles * calls);
+    check(gpu::last_error(), "hold");
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < calls; ++i) f();
+    const auto stop = std::chrono::steady_clock::now();
+    state.SetIterationTime(std::chrono::duration<double>(stop - start).count() / calls);
+    check(device_sync(), "sync");
   }
 }
 

@@ -217,4 +217,16 @@ struct backward_io {
   tensor dq, dk, dv, dgate;
 };
 
+// The whole op's memory in two parts, for a caller that keeps only what the backward needs between the two
+// passes (a training framework holding one state per layer): `state`, written by forward() and read, not
+// changed, by backward(); and `scratch`, either pass's temporary memory, free for any other use once the
+// call's work on its stream is done. Two-phase like a workspace: called with state == nullptr, forward() and
+// backward() only set both sizes (the scratch that pass needs). Both pointers 256-byte aligned.
+struct op_buffers {
+  void* state = nullptr;
+  std::size_t state_bytes = 0;
+  void* scratch = nullptr;
+  std::size_t scratch_bytes = 0;
+};
+
 } // namespace vsa

@@ -437,3 +437,75 @@ TEST_CASE("the op's two-phase workspace", "[cpu][op][workspace]") {
   for (const host_tensor* t : {&o, &dq, &dk, &dv, &dgate})
     for (int64_t e = 0; e < t->elements(); ++e) REQUIRE(!std::isnan(t->at(e)));
 }
+
+TEST_CASE("the op's memory in two parts: a state kept between the passes and scratch of each", "[cpu][op][workspace]") {
+  VSA_TEST_RNG(g, "op buffers");
+  const problem p = make_problem({5, 6, 7}, 2, 2, 1, 8, dtype::bf16);
+  const int64_t slots = tile_geometry(p.grid).tiled_tokens();
+  const op_tensors x = random_op(p, g);
+  host_tensor d_o(p.type, 2, slots, 2, 8);
+  test::fill_tiled_normal(d_o, p.grid, g);
+  options opt;
+  const op_result whole = run_op(p, opt, x, true, &d_o);
+
+  host_tensor o(p.type, 2, slots, 2, 8), dq(p.type, 2, slots, 2, 8), dk(p.type, 2, slots, 1, 8),
+      dv(p.type, 2, slots, 1, 8), dgate(p.type, 2, slots, 2, 8);
+  for (host_tensor* t : {&o, &dq, &dk, &dv, &dgate}) t->fill_byte(test::poison_byte);
+  const forward_io io{x.q.cview(), x.k.cview(), x.v.cview(), x.gate.cview(), o.view()};
+  const backward_io bio{x.q.cview(), x.k.cview(), x.v.cview(), x.gate.cview(), o.cview(),
+                        d_o.cview(), dq.view(),   dk.view(),   dv.view(),      dgate.view()};
+  op_buffers fq, bq;
+  REQUIRE(reference::forward(p, opt, io, fq).is_ok());
+  REQUIRE(reference::backward(p, opt, bio, bq).is_ok());
+  CHECK(fq.state_bytes > 0);
+  CHECK(fq.state_bytes == bq.state_bytes);
+  // The one-workspace sizes are the state and the larger scratch, laid one after the other.
+  CHECK(whole.forward_bytes == fq.state_bytes + fq.scratch_bytes);
+  CHECK(whole.backward_bytes == bq.state_bytes + std::max(fq.scratch_bytes, bq.scratch_bytes));
+
+  test::aligned_buffer state(fq.state_bytes), forward_scratch(fq.scratch_bytes), backward_scratch(bq.scratch_bytes);
+  op_buffers fb{state.data(), fq.state_bytes, forward_scratch.data(), fq.scratch_bytes};
+  REQUIRE(reference::forward(p, opt, io, fb).is_ok());
+  // The backward reads the state only: its scratch is a different buffer, still holding poison.
+  op_buffers bb{state.data(), bq.state_bytes, backward_scratch.data(), bq.scratch_bytes};
+  REQUIRE(reference::backward(p, opt, bio, bb).is_ok());
+  CHECK(o.bytes == whole.o.bytes);
+  CHECK(dq.bytes == whole.dq.bytes);
+  CHECK(dk.bytes == whole.dk.bytes);
+  CHECK(dv.bytes == whole.dv.bytes);
+  CHECK(dgate.bytes == whole.dgate.bytes);
+
+  // The selected lists, read from the state: k ascending tiles in every row, and the backward's input when
+  // passed back (no coarse branch then: o is o_s alone).
+  const_index_lists sel;
+  REQUIRE(reference::selected_lists(p, opt, state.data(), sel).is_ok());
+  const int64_t n = tile_geometry(p.grid).num_tiles(), k = sel.q2k_capacity;
+  CHECK(k == static_cast<int64_t>(std::ceil(0.1 * static_cast<double>(n) - 1e-9)));
+  CHECK(check_q2k_host(p, sel).is_ok());
+  for (int64_t row = 0; row < p.batch * p.q_heads * n; ++row) CHECK(sel.q2k_count[row] == k);
+  options given;
+  given.q2k = sel;
+  const_index_lists none;
+  REQUIRE(reference::selected_lists(p, given, state.data(), none).is_ok());
+  CHECK(none.q2k == nullptr);
+  CHECK(reference::selected_lists(p, opt, nullptr, none).code() == errc::null_pointer);
+
+  // Each part is checked on its own, by name, before anything is written.
+  const std::vector<unsigned char> dq_done = dq.bytes;
+  op_buffers small = bb;
+  small.scratch_bytes -= 1;
+  status s = reference::backward(p, opt, bio, small);
+  CHECK(s.code() == errc::bad_workspace);
+  CHECK(test::mentions(s, "scratch"));
+  small = bb;
+  small.state_bytes -= 1;
+  s = reference::backward(p, opt, bio, small);
+  CHECK(s.code() == errc::bad_workspace);
+  CHECK(test::mentions(s, "state"));
+  small = fb;
+  small.scratch = nullptr;
+  s = reference::forward(p, opt, io, small);
+  CHECK(s.code() == errc::bad_workspace);
+  CHECK(test::mentions(s, "scratch"));
+  CHECK(dq.bytes == dq_done);
+}

@@ -378,7 +378,8 @@ TEST_CASE("the whole op matches the reference stages", "[gpu][op]") {
       detail::op_workspace w;
       REQUIRE(detail::plan_op(p, opt, w).is_ok());
       const int64_t k_sel = w.top_k;
-      const std::vector<float> scores = ws.download<float>(w.scores, p.batch * p.q_heads * n * n);
+      // The one-workspace form: the scratch, where the scores are, follows the state.
+      const std::vector<float> scores = ws.download<float>(w.state_bytes + w.scores, p.batch * p.q_heads * n * n);
       host_lists sel{k_sel, ws.download<int32_t>(w.q2k, p.batch * p.q_heads * n * k_sel),
                      ws.download<int32_t>(w.q2k_count, p.batch * p.q_heads * n),
                      ws.download<int32_t>(w.k2q, p.batch * p.q_heads * n * k_sel),
@@ -618,10 +619,48 @@ TEST_CASE("the whole op is bitwise reproducible across runs and streams", "[gpu]
     collect(a, "stream 1, concurrent with stream 2");
     collect(b, "stream 2, concurrent with stream 1");
   }
+  // The memory in two parts (op_buffers): the state kept alone between the passes, the forward's scratch
+  // freed before the backward, whose scratch is a fresh poisoned buffer.
+  {
+    op_buffers fq, bq;
+    REQUIRE(forward(p, opt, forward_io{}, fq, nullptr).is_ok());
+    REQUIRE(backward(p, opt, backward_io{}, bq, nullptr).is_ok());
+    REQUIRE(fq.state_bytes == bq.state_bytes);
+    CHECK(fq.state_bytes + fq.scratch_bytes == fbytes);
+    CHECK(bq.state_bytes + std::max(fq.scratch_bytes, bq.scratch_bytes) == bytes);
+    op_run r(shape_q, shape_kv, 0, poison_byte);
+    device_buffer state(fq.state_bytes);
+    state.poison();
+    {
+      device_buffer scratch(fq.scratch_bytes);
+      scratch.poison();
+      const forward_io io{dq_in.cview(), dk_in.cview(), dv_in.cview(), dgate_in.cview(), r.o.view()};
+      op_buffers b{state.get(), state.bytes(), scratch.get(), scratch.bytes()};
+      const status st = forward(p, opt, io, b, nullptr);
+      INFO(st.message());
+      REQUIRE(st.is_ok());
+      VSA_REQUIRE_RT(gpu_sync());
+      CHECK(scratch.canaries_intact());
+    }
+    device_buffer scratch(bq.scratch_bytes);
+    scratch.fill(0x77);
+    const backward_io io{dq_in.cview(), dk_in.cview(), dv_in.cview(), dgate_in.cview(), r.o.cview(),
+                         ddo.cview(),   r.dq.view(),   r.dk.view(),   r.dv.view(),      r.dgate.view()};
+    op_buffers b{state.get(), state.bytes(), scratch.get(), scratch.bytes()};
+    const std::vector<unsigned char> state_before = state.download_bytes();
+    const status st = backward(p, opt, io, b, nullptr);
+    INFO(st.message());
+    REQUIRE(st.is_ok());
+    VSA_REQUIRE_RT(gpu_sync());
+    CHECK(state.canaries_intact());
+    CHECK(scratch.canaries_intact());
+    CHECK(state.download_bytes() == state_before); // the backward only reads the state
+    collect(r, "state and scratch apart");
+  }
   VSA_REQUIRE_RT(s1.destroy());
   VSA_REQUIRE_RT(s2.destroy());
 
-  REQUIRE(results.size() == 6);
+  REQUIRE(results.size() == 7);
   for (std::size_t i = 1; i < results.size(); ++i)
     for (std::size_t t = 0; t < results[i].size(); ++t) {
       INFO(output_names[t] << ": " << run_names[i] << " against " << run_names[0]);

@@ -157,14 +157,15 @@ TEST_CASE("64-bit offsets: the whole op and the sparse forward past 2^31 element
       opt.top_k = 12;
       detail::op_workspace w;
       REQUIRE(detail::plan_op(p, opt, w).is_ok());
+      const std::size_t forward_bytes = detail::whole_workspace_bytes(w, false);
       const std::size_t need =
-          3 * q_bytes + 2 * kv_bytes + w.forward_bytes + static_cast<std::size_t>(p.batch * p.q_heads * tokens) * 4;
+          3 * q_bytes + 2 * kv_bytes + forward_bytes + static_cast<std::size_t>(p.batch * p.q_heads * tokens) * 4;
       if (!enough_memory(need)) {
         WARN("skipped: needs " << (need >> 20) << " MiB of free device memory");
         return;
       }
       large_buffer q_buf(q_bytes), k_buf(kv_bytes), v_buf(kv_bytes), o_buf(q_bytes), o_s_buf(q_bytes),
-          ws(w.forward_bytes), lse_buf(static_cast<std::size_t>(p.batch * p.q_heads * tokens) * 4);
+          ws(forward_bytes), lse_buf(static_cast<std::size_t>(p.batch * p.q_heads * tokens) * 4);
       if (!q_buf || !k_buf || !v_buf || !o_buf || !o_s_buf || !ws || !lse_buf) {
         WARN("skipped: a device allocation failed (needs " << (need >> 20) << " MiB)");
         return;
@@ -193,7 +194,7 @@ TEST_CASE("64-bit offsets: the whole op and the sparse forward past 2^31 element
 
       // The whole op (no gate: o = o_s + o_c), then the sparse forward on the op's own lists.
       const forward_io io{q, k, v, {}, o};
-      std::size_t bytes = w.forward_bytes;
+      std::size_t bytes = forward_bytes;
       const status sf = forward(p, opt, io, ws.get(), bytes, nullptr);
       INFO(sf.message());
       REQUIRE(sf.is_ok());
@@ -252,8 +253,8 @@ TEST_CASE("64-bit offsets: the whole op and the sparse forward past 2^31 element
               o_c_ref[static_cast<std::size_t>(d)] += e * v_c[static_cast<std::size_t>(j * dim + d)];
           }
           for (double& x : o_c_ref) x = round_to(x / denominator, p.type);
-          const std::vector<float> scores =
-              download_at<float>(ws.get(), w.scores + static_cast<std::size_t>((bh * n + i) * n) * 4, n);
+          const std::vector<float> scores = download_at<float>(
+              ws.get(), w.state_bytes + w.scores + static_cast<std::size_t>((bh * n + i) * n) * 4, n);
           CHECK(rel_error(std::vector<double>(scores.begin(), scores.end()), scores_ref) < 1e-2);
           const std::vector<uint16_t> o_c_bits =
               download_at<uint16_t>(ws.get(), w.o_c + static_cast<std::size_t>((bh * n + i) * dim) * 2, dim);

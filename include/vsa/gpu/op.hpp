@@ -2,8 +2,8 @@
 //
 // Forward: block means (and the fp32 means of q and k) → coarse scores → coarse attention (o_c, lse_c) →
 // top-k → q2k → k2q → sparse attention with o = o_s + g ⊙ o_c written by its epilogue. What the backward
-// needs stays in the workspace: the means, o_c, lse_c, the index lists, the fine log-sum-exp and o's rounding
-// residual.
+// needs stays in the state (op_buffers; the start of the workspace in the one-workspace form): the means, o_c,
+// lse_c, the index lists, the fine log-sum-exp and o's rounding residual.
 // Backward: dgate and the tile sums of g ⊙ dO → coarse scores again → coarse attention backward (fp32 dq_c,
 // dk_c, dv_c) → delta = rowsum(dO ⊙ (o + residual − g ⊙ o_c)) → dq walking q2k and dk, dv walking k2q, each
 // adding the block-mean backward of the coarse gradients (d·_c / valid count, on every valid slot of the tile)
@@ -26,19 +26,26 @@ namespace vsa {
 
 namespace detail {
 
-// Offsets of everything the op keeps in its workspace. The forward's part comes first and is what the
-// backward reads; the backward's scratch follows it.
+// Offsets of everything the op keeps: the state the forward leaves for the backward (offsets into
+// op_buffers::state), then each pass's scratch (offsets into op_buffers::scratch). The one-workspace form
+// lays the scratch right after the state.
 struct op_workspace {
   bool coarse = false; // false when the caller supplied the q2k lists
   int64_t top_k = 0, capacity = 0;
-  std::size_t q_c = 0, k_c = 0, v_c = 0, q_c32 = 0, k_c32 = 0, o_c = 0, lse_c = 0, scores = 0, q2k = 0, q2k_count = 0,
-              k2q = 0, k2q_offset = 0, lse = 0, o_residual = 0, o_c_residual = 0, select_scratch = 0, index_scratch = 0,
-              forward_bytes = 0;
+  // state
+  std::size_t q_c = 0, k_c = 0, v_c = 0, q_c32 = 0, k_c32 = 0, o_c = 0, lse_c = 0, q2k = 0, q2k_count = 0, k2q = 0,
+              k2q_offset = 0, lse = 0, o_residual = 0, o_c_residual = 0, state_bytes = 0;
+  // forward scratch
+  std::size_t scores = 0, select_scratch = 0, index_scratch = 0, forward_scratch_bytes = 0;
+  // backward scratch
   std::size_t d_o_c = 0, dq_c = 0, dk_c = 0, dv_c = 0, b_scores = 0, coarse_scratch = 0, sparse_scratch = 0,
-              backward_bytes = 0;
+              backward_scratch_bytes = 0;
 
   template <class T = void> T* at(void* base, std::size_t off) const {
     return reinterpret_cast<T*>(static_cast<unsigned char*>(base) + off);
+  }
+  template <class T = void> const T* at(const void* base, std::size_t off) const {
+    return reinterpret_cast<const T*>(static_cast<const unsigned char*>(base) + off);
   }
 };
 
@@ -81,8 +88,9 @@ inline status plan_op(const problem& p, const options& opt, op_workspace& w) {
   w.k2q_offset = take(bh * (n + 1) * sizeof(int32_t));
   w.lse = take(bh * n * 64 * sizeof(float));
   w.o_residual = take(bh * n * 64 * d * sizeof(int8_t));
-  // Scratch of the forward only: the N×N scores and the selection's and index builder's own workspaces.
-  const std::size_t saved = off;
+  w.state_bytes = off;
+  // Scratch of the forward: the N×N scores and the selection's and index builder's own workspaces.
+  off = 0;
   index_lists probe{};
   probe.q2k_capacity = w.capacity;
   std::size_t select_bytes = 0, index_bytes = 0;
@@ -95,10 +103,9 @@ inline status plan_op(const problem& p, const options& opt, op_workspace& w) {
   s = build_k2q(p, probe, nullptr, index_bytes, nullptr);
   if (!s) return s;
   w.index_scratch = take(index_bytes);
-  w.forward_bytes = off;
+  w.forward_scratch_bytes = off;
 
-  // The backward reuses the forward's scratch region.
-  off = saved;
+  off = 0;
   if (w.coarse) {
     w.d_o_c = take(bh * n * d * e);
     w.dq_c = take(bh * n * d * sizeof(float));
@@ -108,8 +115,40 @@ inline status plan_op(const problem& p, const options& opt, op_workspace& w) {
     w.coarse_scratch = take(coarse_attention_backward_workspace(p));
   }
   w.sparse_scratch = take(sparse_attention_backward_workspace(p));
-  w.backward_bytes = off > w.forward_bytes ? off : w.forward_bytes;
+  w.backward_scratch_bytes = off;
   return status::ok();
+}
+
+// The one-workspace size of a pass: the state, then the larger of the scratch regions (so that the backward's
+// size is at least the forward's, and one allocation serves both).
+inline std::size_t whole_workspace_bytes(const op_workspace& w, bool backward) {
+  const std::size_t scratch = backward && w.backward_scratch_bytes > w.forward_scratch_bytes ? w.backward_scratch_bytes
+                                                                                             : w.forward_scratch_bytes;
+  return w.state_bytes + scratch;
+}
+
+// The one-workspace form of a pass: a size query, or `pass` run on the state at the workspace's start and the
+// scratch after it.
+template <class Pass> status in_one_workspace(const problem& p, const options& opt, bool backward, void* workspace,
+                                              std::size_t& workspace_bytes, const Pass& pass) {
+  op_workspace w;
+  status s = plan_op(p, opt, w);
+  if (!s) return s;
+  const std::size_t whole = whole_workspace_bytes(w, backward);
+  if (workspace == nullptr) {
+    workspace_bytes = whole;
+    return status::ok();
+  }
+  if (!(s = check_workspace(workspace, workspace_bytes, whole))) return s;
+  op_buffers b{workspace, w.state_bytes, static_cast<unsigned char*>(workspace) + w.state_bytes,
+               workspace_bytes - w.state_bytes};
+  return pass(b);
+}
+
+inline status check_buffers(const op_buffers& b, std::size_t state_bytes, std::size_t scratch_bytes) {
+  status s = check_buffer("state", b.state, b.state_bytes, state_bytes);
+  if (s) s = check_buffer("scratch", b.scratch, b.scratch_bytes, scratch_bytes);
+  return s;
 }
 
 inline float resolve_scale(const problem& p, const options& opt) {
@@ -125,17 +164,21 @@ inline status check_gate(const problem& p, const op_workspace& w, const const_te
 
 } // namespace detail
 
-// The whole op's forward: o = o_s + g ⊙ o_c. Two-phase workspace: with workspace == nullptr only
-// workspace_bytes is set. The workspace then holds what backward() needs: keep it unchanged until then.
-inline status forward(const problem& p, const options& opt, const forward_io& io, void* workspace,
-                      std::size_t& workspace_bytes, gpu::stream_t stream) {
+// The whole op's forward: o = o_s + g ⊙ o_c, with its memory in two parts (op_buffers): with
+// buffers.state == nullptr only the sizes are set. The state then holds what backward() needs: keep it
+// unchanged until then; the scratch is free once the call's work on the stream is done.
+inline status forward(const problem& p, const options& opt, const forward_io& io, op_buffers& buffers,
+                      gpu::stream_t stream) {
   detail::op_workspace w;
   status s = detail::plan_op(p, opt, w);
   if (!s) return s;
-  if (workspace == nullptr) {
-    workspace_bytes = w.forward_bytes;
+  if (buffers.state == nullptr) {
+    buffers.state_bytes = w.state_bytes;
+    buffers.scratch_bytes = w.forward_scratch_bytes;
     return status::ok();
   }
+  void* const state = buffers.state;
+  void* const scratch = buffers.scratch;
   const int64_t tokens = tile_geometry(p.grid).tiled_tokens();
   const float scale = detail::resolve_scale(p, opt);
   if (s) s = detail::check_scale(scale);
@@ -145,32 +188,32 @@ inline status forward(const problem& p, const options& opt, const forward_io& io
   if (s) s = check_tensor("o", io.o, p, p.q_heads, tokens, target::gpu);
   if (s) s = detail::check_gate(p, w, io.gate, tokens);
   if (s && !w.coarse) s = detail::check_lists(p, opt.q2k, false);
-  if (s) s = check_workspace(workspace, workspace_bytes, w.forward_bytes);
+  if (s) s = detail::check_buffers(buffers, w.state_bytes, w.forward_scratch_bytes);
   if (!s) return s;
 
   index_lists idx{};
   idx.q2k_capacity = w.capacity;
-  idx.k2q = w.at<int32_t>(workspace, w.k2q);
-  idx.k2q_offset = w.at<int32_t>(workspace, w.k2q_offset);
+  idx.k2q = w.at<int32_t>(state, w.k2q);
+  idx.k2q_offset = w.at<int32_t>(state, w.k2q_offset);
   if (w.coarse) {
-    idx.q2k = w.at<int32_t>(workspace, w.q2k);
-    idx.q2k_count = w.at<int32_t>(workspace, w.q2k_count);
-    void *qc = w.at(workspace, w.q_c), *kc = w.at(workspace, w.k_c), *vc = w.at(workspace, w.v_c);
-    float* scores = w.at<float>(workspace, w.scores);
-    float *qc32 = w.at<float>(workspace, w.q_c32), *kc32 = w.at<float>(workspace, w.k_c32);
+    idx.q2k = w.at<int32_t>(state, w.q2k);
+    idx.q2k_count = w.at<int32_t>(state, w.q2k_count);
+    void *qc = w.at(state, w.q_c), *kc = w.at(state, w.k_c), *vc = w.at(state, w.v_c);
+    float* scores = w.at<float>(scratch, w.scores);
+    float *qc32 = w.at<float>(state, w.q_c32), *kc32 = w.at<float>(state, w.k_c32);
     s = block_means(p, io.q, io.k, io.v, qc, kc, vc, qc32, kc32, stream);
     if (s) s = coarse_scores(p, scale, qc32, kc32, scores, stream);
     if (s)
-      s = coarse_attention(p, scores, vc, w.at(workspace, w.o_c), w.at<int8_t>(workspace, w.o_c_residual),
-                           w.at<float>(workspace, w.lse_c), stream);
+      s = coarse_attention(p, scores, vc, w.at(state, w.o_c), w.at<int8_t>(state, w.o_c_residual),
+                           w.at<float>(state, w.lse_c), stream);
     std::size_t select_bytes = w.index_scratch - w.select_scratch;
-    if (s) s = select_top_k(p, w.top_k, scores, idx, w.at(workspace, w.select_scratch), select_bytes, stream);
+    if (s) s = select_top_k(p, w.top_k, scores, idx, w.at(scratch, w.select_scratch), select_bytes, stream);
   } else {
     idx.q2k = const_cast<int32_t*>(opt.q2k.q2k);
     idx.q2k_count = const_cast<int32_t*>(opt.q2k.q2k_count);
   }
-  std::size_t index_bytes = w.forward_bytes - w.index_scratch;
-  if (s) s = build_k2q(p, idx, w.at(workspace, w.index_scratch), index_bytes, stream);
+  std::size_t index_bytes = w.forward_scratch_bytes - w.index_scratch;
+  if (s) s = build_k2q(p, idx, w.at(scratch, w.index_scratch), index_bytes, stream);
   if (!s) return s;
 
   gpu::detail::forward_params fp{};
@@ -178,10 +221,10 @@ inline status forward(const problem& p, const options& opt, const forward_io& io
   fp.k = gpu::detail::make_operand(io.k);
   fp.v = gpu::detail::make_operand(io.v);
   fp.o = gpu::detail::make_operand(io.o);
-  fp.lse = w.at<float>(workspace, w.lse);
-  fp.o_residual = w.at<int8_t>(workspace, w.o_residual);
+  fp.lse = w.at<float>(state, w.lse);
+  fp.o_residual = w.at<int8_t>(state, w.o_residual);
   fp.scores = nullptr;
-  fp.o_c = w.coarse ? w.at<const uint16_t>(workspace, w.o_c) : nullptr;
+  fp.o_c = w.coarse ? w.at<const uint16_t>(state, w.o_c) : nullptr;
   fp.gate = gpu::detail::make_operand(io.gate);
   fp.q_heads = p.q_heads;
   fp.group = p.q_heads / p.kv_heads;
@@ -194,17 +237,44 @@ inline status forward(const problem& p, const options& opt, const forward_io& io
   });
 }
 
-// The whole op's backward: dq, dk, dv (and dgate when a gate was given) from dO, with the workspace the
-// forward filled (its bytes, asked with workspace == nullptr, are at least the forward's).
-inline status backward(const problem& p, const options& opt, const backward_io& io, void* workspace,
-                       std::size_t& workspace_bytes, gpu::stream_t stream) {
+// The whole op's forward in one workspace: with workspace == nullptr only workspace_bytes is set. The
+// workspace then holds what backward() needs: keep it unchanged until then.
+inline status forward(const problem& p, const options& opt, const forward_io& io, void* workspace,
+                      std::size_t& workspace_bytes, gpu::stream_t stream) {
+  return detail::in_one_workspace(p, opt, false, workspace, workspace_bytes,
+                                  [&](op_buffers& b) { return forward(p, opt, io, b, stream); });
+}
+
+// The q2k lists the forward selected, as views into its state (capacity k; valid while the state is), for a
+// caller that inspects them or passes them back through options::q2k on a later call. Null lists when the
+// caller supplied its own. The state may be device memory: nothing is read here.
+inline status selected_lists(const problem& p, const options& opt, const void* state, const_index_lists& lists) {
+  detail::op_workspace w;
+  const status s = detail::plan_op(p, opt, w);
+  if (!s) return s;
+  lists = const_index_lists{};
+  if (!w.coarse) return status::ok();
+  if (state == nullptr) return status::error(errc::null_pointer, "state: pointer is null");
+  lists.q2k = w.at<const int32_t>(state, w.q2k);
+  lists.q2k_count = w.at<const int32_t>(state, w.q2k_count);
+  lists.q2k_capacity = w.capacity;
+  return status::ok();
+}
+
+// The whole op's backward: dq, dk, dv (and dgate when a gate was given) from dO, with the state the forward
+// filled and scratch of its own (buffers.state == nullptr: only the sizes are set).
+inline status backward(const problem& p, const options& opt, const backward_io& io, op_buffers& buffers,
+                       gpu::stream_t stream) {
   detail::op_workspace w;
   status s = detail::plan_op(p, opt, w);
   if (!s) return s;
-  if (workspace == nullptr) {
-    workspace_bytes = w.backward_bytes;
+  if (buffers.state == nullptr) {
+    buffers.state_bytes = w.state_bytes;
+    buffers.scratch_bytes = w.backward_scratch_bytes;
     return status::ok();
   }
+  const void* const state = buffers.state;
+  void* const scratch = buffers.scratch;
   const int64_t tokens = tile_geometry(p.grid).tiled_tokens();
   const float scale = detail::resolve_scale(p, opt);
   if (s) s = detail::check_scale(scale);
@@ -221,37 +291,36 @@ inline status backward(const problem& p, const options& opt, const backward_io& 
     s = status::error(errc::bad_argument, "dgate: given without a gate");
   if (s && io.dgate.data != nullptr) s = check_tensor("dgate", io.dgate, p, p.q_heads, tokens, target::gpu);
   if (s && !w.coarse) s = detail::check_lists(p, opt.q2k, false);
-  if (s) s = check_workspace(workspace, workspace_bytes, w.backward_bytes);
+  if (s) s = detail::check_buffers(buffers, w.state_bytes, w.backward_scratch_bytes);
   if (!s) return s;
 
   const_index_lists idx{};
   idx.q2k_capacity = w.capacity;
-  idx.k2q = w.at<const int32_t>(workspace, w.k2q);
-  idx.k2q_offset = w.at<const int32_t>(workspace, w.k2q_offset);
-  idx.q2k = w.coarse ? w.at<const int32_t>(workspace, w.q2k) : opt.q2k.q2k;
-  idx.q2k_count = w.coarse ? w.at<const int32_t>(workspace, w.q2k_count) : opt.q2k.q2k_count;
+  idx.k2q = w.at<const int32_t>(state, w.k2q);
+  idx.k2q_offset = w.at<const int32_t>(state, w.k2q_offset);
+  idx.q2k = w.coarse ? w.at<const int32_t>(state, w.q2k) : opt.q2k.q2k;
+  idx.q2k_count = w.coarse ? w.at<const int32_t>(state, w.q2k_count) : opt.q2k.q2k_count;
 
   const uint16_t* o_c = nullptr;
   if (w.coarse) {
-    void* d_o_c = w.at(workspace, w.d_o_c);
-    o_c = w.at<const uint16_t>(workspace, w.o_c);
-    float* scores = w.at<float>(workspace, w.b_scores); // formed again: N² floats are not worth keeping
+    void* d_o_c = w.at(scratch, w.d_o_c);
+    o_c = w.at<const uint16_t>(state, w.o_c);
+    float* scores = w.at<float>(scratch, w.b_scores); // formed again: N² floats are not worth keeping
     s = combine_backward(p, io.d_o, io.gate, o_c, io.dgate, d_o_c, stream);
     if (s)
-      s = coarse_scores(p, scale, w.at<const float>(workspace, w.q_c32), w.at<const float>(workspace, w.k_c32), scores,
-                        stream);
+      s = coarse_scores(p, scale, w.at<const float>(state, w.q_c32), w.at<const float>(state, w.k_c32), scores, stream);
     std::size_t coarse_bytes = w.sparse_scratch - w.coarse_scratch;
     if (s)
-      s = coarse_attention_backward(p, scale, w.at(workspace, w.q_c), w.at(workspace, w.k_c), w.at(workspace, w.v_c),
-                                    scores, o_c, w.at<const int8_t>(workspace, w.o_c_residual), d_o_c,
-                                    w.at<const float>(workspace, w.lse_c), w.at<float>(workspace, w.dq_c),
-                                    w.at<float>(workspace, w.dk_c), w.at<float>(workspace, w.dv_c),
-                                    w.at(workspace, w.coarse_scratch), coarse_bytes, stream);
+      s = coarse_attention_backward(p, scale, w.at(state, w.q_c), w.at(state, w.k_c), w.at(state, w.v_c), scores, o_c,
+                                    w.at<const int8_t>(state, w.o_c_residual), d_o_c, w.at<const float>(state, w.lse_c),
+                                    w.at<float>(scratch, w.dq_c), w.at<float>(scratch, w.dk_c),
+                                    w.at<float>(scratch, w.dv_c), w.at(scratch, w.coarse_scratch), coarse_bytes,
+                                    stream);
     if (!s) return s;
   }
 
   gpu::detail::backward_params bp{};
-  s = detail::prepare_sparse_backward(p, idx, w.at(workspace, w.sparse_scratch), bp, stream);
+  s = detail::prepare_sparse_backward(p, idx, w.at(scratch, w.sparse_scratch), bp, stream);
   if (!s) return s;
   float* delta = const_cast<float*>(bp.delta);
   const auto qs = detail::q2k_schedule(p, idx);
@@ -261,7 +330,7 @@ inline status backward(const problem& p, const options& opt, const backward_io& 
   dp.d_o = gpu::detail::make_operand(io.d_o);
   dp.gate = gpu::detail::make_operand(io.gate);
   dp.o_c = o_c;
-  dp.o_residual = w.at<const int8_t>(workspace, w.o_residual);
+  dp.o_residual = w.at<const int8_t>(state, w.o_residual);
   dp.delta = delta;
   dp.q_heads = p.q_heads;
   dp.rows_total = tokens;
@@ -274,11 +343,11 @@ inline status backward(const problem& p, const options& opt, const backward_io& 
   bp.dq = gpu::detail::make_operand(io.dq);
   bp.dk = gpu::detail::make_operand(io.dk);
   bp.dv = gpu::detail::make_operand(io.dv);
-  bp.lse = w.at<const float>(workspace, w.lse);
+  bp.lse = w.at<const float>(state, w.lse);
   if (w.coarse) {
-    bp.fold_q = w.at<const float>(workspace, w.dq_c);
-    bp.fold_k = w.at<const float>(workspace, w.dk_c);
-    bp.fold_v = w.at<const float>(workspace, w.dv_c);
+    bp.fold_q = w.at<const float>(scratch, w.dq_c);
+    bp.fold_k = w.at<const float>(scratch, w.dk_c);
+    bp.fold_v = w.at<const float>(scratch, w.dv_c);
   }
   bp.q_heads = p.q_heads;
   bp.kv_heads = p.kv_heads;
@@ -292,6 +361,14 @@ inline status backward(const problem& p, const options& opt, const backward_io& 
     if (!st) return st;
     return gpu::detail::launch_backward<E, C::head_dim>(bp, qs, ks, p.batch, stream);
   });
+}
+
+// The whole op's backward in one workspace, the one the forward filled (its bytes, asked with
+// workspace == nullptr, are at least the forward's).
+inline status backward(const problem& p, const options& opt, const backward_io& io, void* workspace,
+                       std::size_t& workspace_bytes, gpu::stream_t stream) {
+  return detail::in_one_workspace(p, opt, true, workspace, workspace_bytes,
+                                  [&](op_buffers& b) { return backward(p, opt, io, b, stream); });
 }
 
 } // namespace vsa

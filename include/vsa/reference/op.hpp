@@ -18,23 +18,24 @@ namespace reference {
 
 namespace detail {
 
-// Offsets of the workspace regions. The first ones are written by the forward and read by the backward;
-// the scratch regions of the two passes start after them.
+// Offsets of the op's memory: the state, written by the forward and read by the backward (offsets into
+// op_buffers::state), and each pass's scratch (offsets into op_buffers::scratch). The one-workspace form
+// lays the scratch right after the state.
 struct op_layout {
   bool coarse = false;   // false when the caller supplied the q2k lists
   int64_t top_k = 0;     // capacity of the saved q2k lists (coarse path)
   std::size_t total = 0; // bytes so far
   bool overflow = false;
 
-  // saved by the forward
+  // state, saved by the forward
   std::size_t q_c, k_c, v_c, q_cs, k_cs, o_c, o_c_exact, lse_c, q2k, q2k_count, o_s, lse;
-  std::size_t saved_end;
+  std::size_t state_bytes;
   // forward scratch
   std::size_t f_q, f_k, f_v, f_vc, f_scores, f_rank;
-  std::size_t forward_end;
+  std::size_t forward_scratch;
   // backward scratch
   std::size_t b_q, b_k, b_v, b_do, b_dq, b_dk, b_dv, b_delta, b_doc, b_qc, b_kc, b_vc, b_scores, b_dqc, b_dkc, b_dvc;
-  std::size_t backward_end;
+  std::size_t backward_scratch;
 
   std::size_t add(int64_t count, std::size_t element) {
     const std::size_t at = total;
@@ -45,6 +46,12 @@ struct op_layout {
     else
       total += static_cast<std::size_t>(rounded);
     return at;
+  }
+  // The one-workspace size of a pass: the state, then that pass's scratch (the backward's at least the
+  // forward's, so that one allocation serves both).
+  std::size_t whole(bool backward) const {
+    const std::size_t scratch = backward && backward_scratch > forward_scratch ? backward_scratch : forward_scratch;
+    return scratch > SIZE_MAX - state_bytes ? SIZE_MAX : state_bytes + scratch;
   }
 
   op_layout(const problem& p, bool with_coarse, int64_t k) : coarse(with_coarse), top_k(k) {
@@ -68,15 +75,16 @@ struct op_layout {
     // o_s unrounded: the GPU op keeps o's rounding residual, so its backward sees o_s as computed.
     o_s = add(bq * slots * dim, f64);
     lse = add(bq * slots, f64);
-    saved_end = total;
+    state_bytes = total;
+    total = 0;
     f_q = add(bq * slots * dim, f64);
     f_k = add(bk * slots * dim, f64);
     f_v = add(bk * slots * dim, f64);
     f_vc = add(bk * cn * dim, f64);
     f_scores = add(vsa::detail::checked_mul(bq * cn, cn), f64);
     f_rank = add(vsa::detail::checked_mul(bq * cn, cn), sizeof(float));
-    forward_end = total;
-    total = saved_end;
+    forward_scratch = total;
+    total = 0;
     b_q = add(bq * slots * dim, f64);
     b_k = add(bk * slots * dim, f64);
     b_v = add(bk * slots * dim, f64);
@@ -93,7 +101,7 @@ struct op_layout {
     b_dqc = add(bq * cn * dim, f64);
     b_dkc = add(bk * cn * dim, f64);
     b_dvc = add(bk * cn * dim, f64);
-    backward_end = total;
+    backward_scratch = total;
   }
 };
 
@@ -149,70 +157,97 @@ inline status check_op_options(const problem& p, const options& opt, const op_pl
   return check_q2k_host(p, opt.q2k);
 }
 
-inline status size_query(const op_layout& layout, std::size_t needed, std::size_t& workspace_bytes) {
+inline status size_query(const op_layout& layout, std::size_t scratch_bytes, op_buffers& buffers) {
   if (layout.overflow) return status::error(errc::bad_grid, "grid: the workspace size overflows");
-  workspace_bytes = needed;
+  buffers.state_bytes = layout.state_bytes;
+  buffers.scratch_bytes = scratch_bytes;
   return status::ok();
 }
 
-// The lists the sparse pass reads: the op's own (saved in the workspace) or the caller's.
-inline const_index_lists op_lists(const op_plan& plan, const options& opt, const op_layout& layout, void* ws) {
+inline status check_buffers(const op_layout& layout, const op_buffers& b, std::size_t scratch_bytes) {
+  if (layout.overflow) return status::error(errc::bad_grid, "grid: the workspace size overflows");
+  status s = check_buffer("state", b.state, b.state_bytes, layout.state_bytes);
+  if (s) s = check_buffer("scratch", b.scratch, b.scratch_bytes, scratch_bytes);
+  return s;
+}
+
+// The one-workspace form of a pass: the state at its start, the scratch after it.
+template <class Pass> status in_one_workspace(const op_layout& layout, bool backward, void* workspace,
+                                              std::size_t& workspace_bytes, const Pass& pass) {
+  if (layout.overflow) return status::error(errc::bad_grid, "grid: the workspace size overflows");
+  const std::size_t whole = layout.whole(backward);
+  if (workspace == nullptr) {
+    workspace_bytes = whole;
+    return status::ok();
+  }
+  const status s = check_workspace(workspace, workspace_bytes, whole);
+  if (!s) return s;
+  op_buffers b;
+  b.state = workspace;
+  b.state_bytes = layout.state_bytes;
+  b.scratch = static_cast<unsigned char*>(workspace) + layout.state_bytes;
+  b.scratch_bytes = workspace_bytes - layout.state_bytes;
+  return pass(b);
+}
+
+// The lists the sparse pass reads: the op's own (saved in the state) or the caller's.
+inline const_index_lists op_lists(const op_plan& plan, const options& opt, const op_layout& layout, void* st) {
   if (!plan.coarse) return opt.q2k;
-  return {region<int32_t>(ws, layout.q2k), region<int32_t>(ws, layout.q2k_count), plan.top_k, nullptr, nullptr};
+  return {region<int32_t>(st, layout.q2k), region<int32_t>(st, layout.q2k_count), plan.top_k, nullptr, nullptr};
 }
 
 // The forward, with the selection's lists taken from `chosen` when it is set (q2k rows of capacity top_k;
 // see forward_on_lists).
-inline status forward_impl(const problem& p, const options& opt, const forward_io& io, void* workspace,
-                           std::size_t& workspace_bytes, const const_index_lists* chosen) {
+inline status forward_impl(const problem& p, const options& opt, const forward_io& io, op_buffers& buffers,
+                           const const_index_lists* chosen) {
   detail::op_plan plan;
   status s = detail::plan_op(p, opt, plan);
   if (!s) return s;
   const detail::op_layout layout(p, plan.coarse, plan.top_k);
-  if (workspace == nullptr) return detail::size_query(layout, layout.forward_end, workspace_bytes);
+  if (buffers.state == nullptr) return detail::size_query(layout, layout.forward_scratch, buffers);
   if (!(s = detail::check_op_options(p, opt, plan, io.gate))) return s;
   if (!(s = detail::check_tiled("q", io.q, p, p.q_heads))) return s;
   if (!(s = detail::check_tiled("k", io.k, p, p.kv_heads))) return s;
   if (!(s = detail::check_tiled("v", io.v, p, p.kv_heads))) return s;
   if (!(s = detail::check_tiled("o", io.o, p, p.q_heads))) return s;
   if (!(s = detail::check_gate(p, io.gate, nullptr, false))) return s;
-  if (layout.overflow) return status::error(errc::bad_grid, "grid: the workspace size overflows");
-  if (!(s = check_workspace(workspace, workspace_bytes, layout.forward_end))) return s;
+  if (!(s = detail::check_buffers(layout, buffers, layout.forward_scratch))) return s;
   return detail::guarded("forward", [&]() {
-    void* ws = workspace;
+    void* const st = buffers.state;
+    void* const sc = buffers.scratch;
     const tile_geometry geo(p.grid);
     const int64_t n = geo.num_tiles(), slots = geo.tiled_tokens(), dim = p.head_dim;
     const int64_t bq = p.batch * p.q_heads, bk = p.batch * p.kv_heads;
-    double* q = detail::region<double>(ws, layout.f_q);
-    double* k = detail::region<double>(ws, layout.f_k);
-    double* v = detail::region<double>(ws, layout.f_v);
-    double* o_s = detail::region<double>(ws, layout.o_s);
+    double* q = detail::region<double>(sc, layout.f_q);
+    double* k = detail::region<double>(sc, layout.f_k);
+    double* v = detail::region<double>(sc, layout.f_v);
+    double* o_s = detail::region<double>(st, layout.o_s);
     detail::gather(p, p.q_heads, io.q, q);
     detail::gather(p, p.kv_heads, io.k, k);
     detail::gather(p, p.kv_heads, io.v, v);
     if (plan.coarse) {
-      void* q_c = detail::region<void>(ws, layout.q_c);
-      void* k_c = detail::region<void>(ws, layout.k_c);
-      void* v_c = detail::region<void>(ws, layout.v_c);
+      void* q_c = detail::region<void>(st, layout.q_c);
+      void* k_c = detail::region<void>(st, layout.k_c);
+      void* v_c = detail::region<void>(st, layout.v_c);
       detail::tile_means(p, p.q_heads, io.q, q_c, p.type);
       detail::tile_means(p, p.kv_heads, io.k, k_c, p.type);
       detail::tile_means(p, p.kv_heads, io.v, v_c, p.type);
-      double* qs = detail::region<double>(ws, layout.q_cs);
-      double* ks = detail::region<double>(ws, layout.k_cs);
+      double* qs = detail::region<double>(st, layout.q_cs);
+      double* ks = detail::region<double>(st, layout.k_cs);
       detail::tile_means(p, p.q_heads, io.q, qs, dtype::f64);
       detail::tile_means(p, p.kv_heads, io.k, ks, dtype::f64);
       detail::round_array(qs, bq * n * dim, detail::means_type(p));
       detail::round_array(ks, bk * n * dim, detail::means_type(p));
-      double* vc = detail::region<double>(ws, layout.f_vc);
-      double* oc = detail::region<double>(ws, layout.o_c_exact);
+      double* vc = detail::region<double>(sc, layout.f_vc);
+      double* oc = detail::region<double>(st, layout.o_c_exact);
       detail::load_array(v_c, bk * n * dim, p.type, vc);
-      double* scores = detail::region<double>(ws, layout.f_scores);
+      double* scores = detail::region<double>(sc, layout.f_scores);
       detail::op_scores(p, plan.scale, qs, ks, scores);
-      detail::coarse_forward_core(p, scores, vc, oc, detail::region<double>(ws, layout.lse_c));
-      detail::store_array(detail::region<void>(ws, layout.o_c), bq * n * dim, p.type, oc);
-      float* rank = detail::region<float>(ws, layout.f_rank);
+      detail::coarse_forward_core(p, scores, vc, oc, detail::region<double>(st, layout.lse_c));
+      detail::store_array(detail::region<void>(st, layout.o_c), bq * n * dim, p.type, oc);
+      float* rank = detail::region<float>(sc, layout.f_rank);
       for (int64_t e = 0; e < bq * n * n; ++e) rank[e] = static_cast<float>(scores[e]);
-      const index_lists own{detail::region<int32_t>(ws, layout.q2k), detail::region<int32_t>(ws, layout.q2k_count),
+      const index_lists own{detail::region<int32_t>(st, layout.q2k), detail::region<int32_t>(st, layout.q2k_count),
                             plan.top_k, nullptr, nullptr};
       if (chosen == nullptr) {
         detail::select_core(p, plan.top_k, rank, own);
@@ -221,11 +256,11 @@ inline status forward_impl(const problem& p, const options& opt, const forward_i
         std::copy(chosen->q2k_count, chosen->q2k_count + bq * n, own.q2k_count);
       }
     }
-    double* lse = detail::region<double>(ws, layout.lse);
-    detail::sparse_forward_core(p, plan.scale, q, k, v, detail::op_lists(plan, opt, layout, ws), o_s, lse);
+    double* lse = detail::region<double>(st, layout.lse);
+    detail::sparse_forward_core(p, plan.scale, q, k, v, detail::op_lists(plan, opt, layout, st), o_s, lse);
     if (plan.coarse) {
       const const_tensor fine = bhsd<const void*>(o_s, p.batch, slots, p.q_heads, dim);
-      detail::combine_core(p, fine, io.gate, detail::region<void>(ws, layout.o_c), io.o, dtype::f64);
+      detail::combine_core(p, fine, io.gate, detail::region<void>(st, layout.o_c), io.o, dtype::f64);
     } else {
       detail::scatter(p, p.q_heads, o_s, io.o);
     }
@@ -235,11 +270,21 @@ inline status forward_impl(const problem& p, const options& opt, const forward_i
 
 } // namespace detail
 
-// Forward of the whole op. workspace == nullptr: sets workspace_bytes and returns. Otherwise the
-// workspace must stay untouched until backward() has run on it.
+// Forward of the whole op, its memory in two parts (op_buffers): buffers.state == nullptr sets both sizes
+// and returns. Otherwise the state must stay untouched until backward() has run on it.
+inline status forward(const problem& p, const options& opt, const forward_io& io, op_buffers& buffers) {
+  return detail::forward_impl(p, opt, io, buffers, nullptr);
+}
+
+// Forward of the whole op in one workspace. workspace == nullptr: sets workspace_bytes and returns.
+// Otherwise the workspace must stay untouched until backward() has run on it.
 inline status forward(const problem& p, const options& opt, const forward_io& io, void* workspace,
                       std::size_t& workspace_bytes) {
-  return detail::forward_impl(p, opt, io, workspace, workspace_bytes, nullptr);
+  detail::op_plan plan;
+  status s = detail::plan_op(p, opt, plan);
+  if (!s) return s;
+  return detail::in_one_workspace(detail::op_layout(p, plan.coarse, plan.top_k), false, workspace, workspace_bytes,
+                                  [&](op_buffers& b) { return detail::forward_impl(p, opt, io, b, nullptr); });
 }
 
 // The whole op's forward (coarse branch and gate included) on given lists instead of its own selection: q2k
@@ -257,18 +302,35 @@ inline status forward_on_lists(const problem& p, const options& opt, const forwa
     return status::error(errc::bad_index, "lists: q2k_capacity %lld must be the op's k = %lld",
                          (long long)lists.q2k_capacity, (long long)plan.top_k);
   if (workspace != nullptr && !(s = check_q2k_host(p, lists))) return s;
-  return detail::forward_impl(p, opt, io, workspace, workspace_bytes, &lists);
+  return detail::in_one_workspace(detail::op_layout(p, plan.coarse, plan.top_k), false, workspace, workspace_bytes,
+                                  [&](op_buffers& b) { return detail::forward_impl(p, opt, io, b, &lists); });
 }
 
-// Backward of the whole op, on the workspace the forward filled (ask its size with workspace == nullptr;
-// it is larger than the forward's). Writes dq, dk, dv (padding slots 0) and dgate when the gate is given.
-inline status backward(const problem& p, const options& opt, const backward_io& io, void* workspace,
-                       std::size_t& workspace_bytes) {
+// The q2k lists the forward selected, as views into its state (capacity k; valid while the state is). Null
+// lists when the caller supplied its own.
+inline status selected_lists(const problem& p, const options& opt, const void* state, const_index_lists& lists) {
+  detail::op_plan plan;
+  const status s = detail::plan_op(p, opt, plan);
+  if (!s) return s;
+  lists = const_index_lists{};
+  if (!plan.coarse) return status::ok();
+  if (state == nullptr) return status::error(errc::null_pointer, "state: pointer is null");
+  const detail::op_layout layout(p, plan.coarse, plan.top_k);
+  const unsigned char* base = static_cast<const unsigned char*>(state);
+  lists.q2k = reinterpret_cast<const int32_t*>(base + layout.q2k);
+  lists.q2k_count = reinterpret_cast<const int32_t*>(base + layout.q2k_count);
+  lists.q2k_capacity = plan.top_k;
+  return status::ok();
+}
+
+// Backward of the whole op, on the state the forward filled and scratch of its own (buffers.state == nullptr:
+// sets both sizes and returns). Writes dq, dk, dv (padding slots 0) and dgate when the gate is given.
+inline status backward(const problem& p, const options& opt, const backward_io& io, op_buffers& buffers) {
   detail::op_plan plan;
   status s = detail::plan_op(p, opt, plan);
   if (!s) return s;
   const detail::op_layout layout(p, plan.coarse, plan.top_k);
-  if (workspace == nullptr) return detail::size_query(layout, layout.backward_end, workspace_bytes);
+  if (buffers.state == nullptr) return detail::size_query(layout, layout.backward_scratch, buffers);
   if (!(s = detail::check_op_options(p, opt, plan, io.gate))) return s;
   if (!(s = detail::check_tiled("q", io.q, p, p.q_heads))) return s;
   if (!(s = detail::check_tiled("k", io.k, p, p.kv_heads))) return s;
@@ -280,49 +342,49 @@ inline status backward(const problem& p, const options& opt, const backward_io& 
   if (!(s = detail::check_tiled("dv", io.dv, p, p.kv_heads))) return s;
   if (!(s = detail::check_gate(p, io.gate, io.dgate.data, true))) return s;
   if (io.dgate.data != nullptr && !(s = detail::check_tiled("dgate", io.dgate, p, p.q_heads))) return s;
-  if (layout.overflow) return status::error(errc::bad_grid, "grid: the workspace size overflows");
-  if (!(s = check_workspace(workspace, workspace_bytes, layout.backward_end))) return s;
+  if (!(s = detail::check_buffers(layout, buffers, layout.backward_scratch))) return s;
   return detail::guarded("backward", [&]() {
-    void* ws = workspace;
+    void* const st = buffers.state;
+    void* const sc = buffers.scratch;
     const tile_geometry geo(p.grid);
     const int64_t n = geo.num_tiles(), slots = geo.tiled_tokens(), dim = p.head_dim;
     const int64_t bq = p.batch * p.q_heads, bk = p.batch * p.kv_heads;
-    double* q = detail::region<double>(ws, layout.b_q);
-    double* k = detail::region<double>(ws, layout.b_k);
-    double* v = detail::region<double>(ws, layout.b_v);
-    const double* o_s = detail::region<double>(ws, layout.o_s);
-    double* d_o = detail::region<double>(ws, layout.b_do);
-    double* dq = detail::region<double>(ws, layout.b_dq);
-    double* dk = detail::region<double>(ws, layout.b_dk);
-    double* dv = detail::region<double>(ws, layout.b_dv);
+    double* q = detail::region<double>(sc, layout.b_q);
+    double* k = detail::region<double>(sc, layout.b_k);
+    double* v = detail::region<double>(sc, layout.b_v);
+    const double* o_s = detail::region<double>(st, layout.o_s);
+    double* d_o = detail::region<double>(sc, layout.b_do);
+    double* dq = detail::region<double>(sc, layout.b_dq);
+    double* dk = detail::region<double>(sc, layout.b_dk);
+    double* dv = detail::region<double>(sc, layout.b_dv);
     detail::gather(p, p.q_heads, io.q, q);
     detail::gather(p, p.kv_heads, io.k, k);
     detail::gather(p, p.kv_heads, io.v, v);
     detail::gather(p, p.q_heads, io.d_o, d_o);
-    detail::sparse_backward_core(p, plan.scale, q, k, v, o_s, d_o, detail::region<double>(ws, layout.lse),
-                                 detail::op_lists(plan, opt, layout, ws), dq, dk, dv,
-                                 detail::region<double>(ws, layout.b_delta));
+    detail::sparse_backward_core(p, plan.scale, q, k, v, o_s, d_o, detail::region<double>(st, layout.lse),
+                                 detail::op_lists(plan, opt, layout, st), dq, dk, dv,
+                                 detail::region<double>(sc, layout.b_delta));
     if (plan.coarse) {
-      const void* o_c = detail::region<void>(ws, layout.o_c);
-      double* d_o_c = detail::region<double>(ws, layout.b_doc);
+      const void* o_c = detail::region<void>(st, layout.o_c);
+      double* d_o_c = detail::region<double>(sc, layout.b_doc);
       detail::combine_backward_core(p, io.d_o, io.gate, o_c, io.dgate, d_o_c);
       // The GPU stores the per-tile sum of g ⊙ dO in p.type; the reference rounds it the same way.
       detail::round_array(d_o_c, bq * n * dim, p.type);
-      double* qc = detail::region<double>(ws, layout.b_qc);
-      double* kc = detail::region<double>(ws, layout.b_kc);
-      double* vc = detail::region<double>(ws, layout.b_vc);
-      const double* oc = detail::region<double>(ws, layout.o_c_exact);
-      double* dqc = detail::region<double>(ws, layout.b_dqc);
-      double* dkc = detail::region<double>(ws, layout.b_dkc);
-      double* dvc = detail::region<double>(ws, layout.b_dvc);
-      detail::load_array(detail::region<void>(ws, layout.q_c), bq * n * dim, p.type, qc);
-      detail::load_array(detail::region<void>(ws, layout.k_c), bk * n * dim, p.type, kc);
-      detail::load_array(detail::region<void>(ws, layout.v_c), bk * n * dim, p.type, vc);
-      double* scores = detail::region<double>(ws, layout.b_scores);
-      detail::op_scores(p, plan.scale, detail::region<double>(ws, layout.q_cs), detail::region<double>(ws, layout.k_cs),
+      double* qc = detail::region<double>(sc, layout.b_qc);
+      double* kc = detail::region<double>(sc, layout.b_kc);
+      double* vc = detail::region<double>(sc, layout.b_vc);
+      const double* oc = detail::region<double>(st, layout.o_c_exact);
+      double* dqc = detail::region<double>(sc, layout.b_dqc);
+      double* dkc = detail::region<double>(sc, layout.b_dkc);
+      double* dvc = detail::region<double>(sc, layout.b_dvc);
+      detail::load_array(detail::region<void>(st, layout.q_c), bq * n * dim, p.type, qc);
+      detail::load_array(detail::region<void>(st, layout.k_c), bk * n * dim, p.type, kc);
+      detail::load_array(detail::region<void>(st, layout.v_c), bk * n * dim, p.type, vc);
+      double* scores = detail::region<double>(sc, layout.b_scores);
+      detail::op_scores(p, plan.scale, detail::region<double>(st, layout.q_cs), detail::region<double>(st, layout.k_cs),
                         scores);
       detail::coarse_backward_core(p, plan.scale, qc, kc, vc, scores, oc, d_o_c,
-                                   detail::region<double>(ws, layout.lse_c), dqc, dkc, dvc);
+                                   detail::region<double>(st, layout.lse_c), dqc, dkc, dvc);
       // Block-mean backward: each valid token of tile i receives 1/valid(i) of the tile's gradient.
       auto spread = [&](int64_t heads, const double* grad_c, double* grad) {
         detail::parallel_for(p.batch * heads * n, [&](int64_t begin, int64_t end) {
@@ -343,6 +405,17 @@ inline status backward(const problem& p, const options& opt, const backward_io& 
     detail::scatter(p, p.kv_heads, dv, io.dv);
     return status::ok();
   });
+}
+
+// Backward of the whole op in one workspace, the one the forward filled (ask its size with workspace ==
+// nullptr; it is at least the forward's).
+inline status backward(const problem& p, const options& opt, const backward_io& io, void* workspace,
+                       std::size_t& workspace_bytes) {
+  detail::op_plan plan;
+  status s = detail::plan_op(p, opt, plan);
+  if (!s) return s;
+  return detail::in_one_workspace(detail::op_layout(p, plan.coarse, plan.top_k), true, workspace, workspace_bytes,
+                                  [&](op_buffers& b) { return backward(p, opt, io, b); });
 }
 
 } // namespace reference
