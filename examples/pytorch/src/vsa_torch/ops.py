@@ -1,0 +1,191 @@
+"""vsa's ops for PyTorch, differentiable: the whole op, tiling, sparse attention on caller lists, the linear branch.
+
+Every function takes the caller's tensors as they are: [B, S, H, D] (layout="bshd") or [B, H, S, D]
+(layout="bhsd"), any strides. The kernels run on the tensors' device (CUDA: the library's GPU kernels on torch's
+current stream; CPU: the library's reference, any float dtype), with scratch from torch's allocator and no host
+synchronisation, so the ops can be captured in CUDA graphs and traced by torch.compile."""
+import torch
+
+from ._layout import check_grid, from_bshd, to_bshd
+
+_ops = torch.ops.vsa
+
+
+# ---- tiling -----------------------------------------------------------------------------------------------
+
+class _Tile(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, grid):
+        ctx.grid = grid
+        return _ops.tile(x, grid)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _ops.untile(dy, ctx.grid), None  # the padding slots hold constants
+
+
+class _Untile(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, grid):
+        ctx.grid = grid
+        return _ops.untile(x, grid)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _ops.tile(dy, ctx.grid), None  # zero for the padding slots, which untile drops
+
+
+def tile(x, grid, *, layout="bshd"):
+    """Raster order (t, h, w) -> tiled order: x [B, T·H·W, H, D] -> [B, N·64, H, D], padding slots zero."""
+    grid = check_grid(grid)
+    return from_bshd(_Tile.apply(to_bshd(x, layout), grid), layout)
+
+
+def untile(x, grid, *, layout="bshd"):
+    """Tiled order -> raster order: x [B, N·64, H, D] -> [B, T·H·W, H, D], padding slots dropped."""
+    grid = check_grid(grid)
+    return from_bshd(_Untile.apply(to_bshd(x, layout), grid), layout)
+
+
+# ---- the whole op -----------------------------------------------------------------------------------------
+
+class _VideoSparseAttention(torch.autograd.Function):
+    """The whole op on [B, S, H, D] views. In raster order the inputs are tiled and o untiled here, one pass each;
+    the backward tiles dO (and o again, rather than keeping a tiled copy) and untiles the gradients. keep_tiled:
+    the backward reads the forward's tiled q, k, v and gate; otherwise the caller's raster tensors are kept and
+    tiled again (less memory by the tiles' padding, four more layout passes)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, gate, grid, top_k, sparsity, scale, raster, q2k, q2k_count, return_selection,
+                keep_tiled):
+        inputs = (q, k, v, gate)
+        if raster:
+            q, k, v = _ops.tile(q, grid), _ops.tile(k, grid), _ops.tile(v, grid)
+            gate = _ops.tile(gate, grid) if gate is not None else None
+        o, state, lists, counts = _ops.forward(q, k, v, gate, grid, top_k, sparsity, scale, q2k, q2k_count,
+                                               return_selection)
+        out = _ops.untile(o, grid) if raster else o
+        retile = raster and not keep_tiled
+        ctx.args = (grid, top_k, sparsity, scale, raster, gate is not None, retile)
+        ctx.save_for_backward(*(inputs if retile else (q, k, v, gate)), out, state, q2k, q2k_count)
+        ctx.mark_non_differentiable(lists, counts)
+        return out, lists, counts
+
+    @staticmethod
+    def backward(ctx, d_out, _lists, _counts):
+        grid, top_k, sparsity, scale, raster, gated, retile = ctx.args
+        q, k, v, gate, out, state, q2k, q2k_count = ctx.saved_tensors
+        if retile:
+            q, k, v = _ops.tile(q, grid), _ops.tile(k, grid), _ops.tile(v, grid)
+            gate = _ops.tile(gate, grid) if gated else None
+        d_o = d_out.contiguous() if d_out.stride(-1) != 1 else d_out
+        if raster:
+            d_o, o = _ops.tile(d_o, grid), _ops.tile(out, grid)
+        else:
+            o = out
+        dq, dk, dv, dgate = _ops.backward(d_o, q, k, v, gate, o, state, grid, top_k, sparsity, scale, q2k,
+                                          q2k_count)
+        del d_o, o  # the tiled copies, freed before the untiled gradients are allocated
+        if raster:
+            dq, dk, dv = _ops.untile(dq, grid), _ops.untile(dk, grid), _ops.untile(dv, grid)
+            dgate = _ops.untile(dgate, grid) if gated else None
+        elif not gated:
+            dgate = None
+        return dq, dk, dv, dgate, None, None, None, None, None, None, None, None, None
+
+
+def video_sparse_attention(q, k, v, grid, *, gate=None, top_k=None, sparsity=0.9, scale=None, layout="bshd",
+                           order="raster", return_selection=False, q2k=None, keep_tiled=True):
+    """Video sparse attention: o = o_s + gate ⊙ o_c over the 4×4×4 tiles of the latent grid (T, H, W).
+
+    q [B, S, Hq, D], k and v [B, S, Hkv, D] (Hkv divides Hq), gate like q or None (g = 1); S = T·H·W in raster
+    order (the model's own token order; tiled and untiled inside) or N·64 in tiled order. Each query tile attends
+    to its top_k key tiles (top_k None: ceil((1 - sparsity)·N)), scale None: 1/sqrt(D).
+
+    return_selection=True also returns the selected lists (q2k [B, Hq, N, k] int32, counts [B, Hq, N]); passing
+    them back as q2k=(q2k, counts) skips the coarse pass and the selection (o = o_s then, and gate must be None).
+
+    keep_tiled (raster order): the backward reads the tiled copies of q, k, v and gate the forward made (fastest);
+    False keeps the caller's tensors instead and tiles them again in the backward: less memory held between the
+    passes (the tiles' padding: 22% at Wan 2.1's 21×30×52), four more layout passes."""
+    grid = check_grid(grid)
+    if order not in ("raster", "tiled"):
+        raise ValueError(f"vsa: order: must be 'raster' or 'tiled', got {order!r}")
+    lists, counts = (None, None) if q2k is None else q2k
+    views = [to_bshd(x, layout) for x in (q, k, v)]
+    g = to_bshd(gate, layout) if gate is not None else None
+    out, sel, sel_counts = _VideoSparseAttention.apply(*views, g, grid, 0 if top_k is None else int(top_k),
+                                                       float(sparsity), 0.0 if scale is None else float(scale),
+                                                       order == "raster", lists, counts, bool(return_selection),
+                                                       bool(keep_tiled))
+    out = from_bshd(out, layout)
+    if not return_selection:
+        return out
+    return out, ((sel, sel_counts) if q2k is None else (lists, counts))
+
+
+# ---- sparse attention on caller lists ---------------------------------------------------------------------
+
+class _SparseAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, q2k, q2k_count, grid, scale):
+        o, lse = _ops.sparse_attention(q, k, v, q2k, q2k_count, grid, scale)
+        ctx.args = (grid, scale)
+        ctx.save_for_backward(q, k, v, o, lse, q2k, q2k_count)
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, d_o, _lse):
+        grid, scale = ctx.args
+        q, k, v, o, lse, q2k, q2k_count = ctx.saved_tensors
+        d_o = d_o.contiguous() if d_o.stride(-1) != 1 else d_o
+        dq, dk, dv = _ops.sparse_attention_backward(d_o, q, k, v, o, lse, q2k, q2k_count, grid, scale)
+        return dq, dk, dv, None, None, None, None
+
+
+def sparse_attention(q, k, v, q2k, q2k_count, grid, *, scale=None, layout="bshd", return_lse=False):
+    """Exact attention of every query tile over the key tiles of its list, in tiled order (S = N·64).
+
+    q2k [B, Hq, N, capacity] int32 (ascending tiles in each row's first q2k_count[b, h, i] slots), q2k_count
+    [B, Hq, N] int32. Padding rows and rows with empty lists give o = 0 (lse = +inf). On the GPU the lists are
+    trusted as given; the CPU kernel checks them."""
+    grid = check_grid(grid)
+    views = [to_bshd(x, layout) for x in (q, k, v)]
+    d = views[0].shape[3]
+    o, lse = _SparseAttention.apply(*views, q2k, q2k_count, grid, float(d) ** -0.5 if scale is None else float(scale))
+    o = from_bshd(o, layout)
+    return (o, lse) if return_lse else o
+
+
+# ---- the linear-attention branch --------------------------------------------------------------------------
+
+_PHI = {"softmax": 0, "elu1": 1, "relu": 2}
+
+
+class _LinearAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, grid, phi, eps, raster):
+        ctx.args = (grid, phi, eps, raster)
+        ctx.save_for_backward(q, k, v)
+        return _ops.linear_attention(q, k, v, grid, phi, eps, raster)
+
+    @staticmethod
+    def backward(ctx, d_o):
+        grid, phi, eps, raster = ctx.args
+        q, k, v = ctx.saved_tensors
+        d_o = d_o.contiguous() if d_o.stride(-1) != 1 else d_o
+        dq, dk, dv = _ops.linear_attention_backward(d_o, q, k, v, grid, phi, eps, raster)
+        return dq, dk, dv, None, None, None, None
+
+
+def linear_attention(q, k, v, grid, *, phi="elu1", eps=1e-6, layout="bshd", order="raster"):
+    """o_i = φ(q_i)·(Σ_j φ(k_j)ᵀ v_j) / (φ(q_i)·Σ_j φ(k_j) + eps) over the valid tokens of each sequence;
+    φ one of 'softmax', 'elu1', 'relu'; raster (S = T·H·W) or tiled (S = N·64, padding slots excluded) order."""
+    grid = check_grid(grid)
+    if phi not in _PHI:
+        raise ValueError(f"vsa: phi: must be one of {sorted(_PHI)}, got {phi!r}")
+    if order not in ("raster", "tiled"):
+        raise ValueError(f"vsa: order: must be 'raster' or 'tiled', got {order!r}")
+    views = [to_bshd(x, layout) for x in (q, k, v)]
+    return from_bshd(_LinearAttention.apply(*views, grid, _PHI[phi], float(eps), order == "raster"), layout)
