@@ -75,9 +75,8 @@ template <class Ptr> vsa::basic_tensor<Ptr> view_of(const at::Tensor& x) {
 }
 inline vsa::const_tensor in(const at::Tensor& x) { return view_of<const void*>(x); }
 inline vsa::tensor out(const at::Tensor& x) { return view_of<void*>(x); }
-inline vsa::const_tensor in(const c10::optional<at::Tensor>& x) {
-  return x.has_value() && x->defined() ? in(*x) : vsa::const_tensor{};
-}
+inline bool present(const c10::optional<at::Tensor>& x) { return x.has_value() && x->defined(); }
+inline vsa::const_tensor in(const c10::optional<at::Tensor>& x) { return present(x) ? in(*x) : vsa::const_tensor{}; }
 
 // An output of `tokens` tokens and `heads` heads laid out as `like` is: [B, H, S, D] memory when like's head
 // stride exceeds its token stride, [B, S, H, D] otherwise (the fake kernels in Python follow the same rule).
@@ -86,8 +85,6 @@ inline at::Tensor empty_like_layout(const at::Tensor& like, int64_t tokens, int6
   if (like.stride(2) > like.stride(1)) return at::empty({b, heads, tokens, d}, like.options()).transpose(1, 2);
   return at::empty({b, tokens, heads, d}, like.options());
 }
-
-inline bool present(const c10::optional<at::Tensor>& x) { return x.has_value() && x->defined(); }
 
 // The whole op's options; q2k, when given, are caller lists [B, Hq, N, capacity] and counts [B, Hq, N] (int32).
 inline vsa::options make_options(const vsa::problem& p, const at::Tensor& q, int64_t top_k, double sparsity,

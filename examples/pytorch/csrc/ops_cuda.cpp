@@ -44,32 +44,35 @@ public:
   vsa::status sparse_backward(const vsa::problem& p, float scale, vsa::const_tensor q, vsa::const_tensor k,
                               vsa::const_tensor v, vsa::const_tensor o, vsa::const_tensor d_o, const float* lse,
                               vsa::const_index_lists lists, vsa::tensor dq, vsa::tensor dk, vsa::tensor dv) {
-    std::size_t bytes = 0;
-    vsa::status s = gpu::sparse_backward(p, scale, q, k, v, o, d_o, lse, lists, dq, dk, dv, nullptr, bytes, stream_);
-    if (!s) return s;
-    at::Tensor scratch = bytes_tensor(bytes, like_);
-    return gpu::sparse_backward(p, scale, q, k, v, o, d_o, lse, lists, dq, dk, dv, data_or_null(scratch), bytes,
-                                stream_);
+    return with_scratch([&](void* ws, std::size_t& bytes) {
+      return gpu::sparse_backward(p, scale, q, k, v, o, d_o, lse, lists, dq, dk, dv, ws, bytes, stream_);
+    });
   }
   vsa::status linear_forward(const vsa::problem& p, vsa::feature_map phi, float eps, vsa::token_order order,
                              vsa::const_tensor q, vsa::const_tensor k, vsa::const_tensor v, vsa::tensor o) {
-    std::size_t bytes = 0;
-    vsa::status s = gpu::linear_forward(p, phi, eps, order, q, k, v, o, nullptr, bytes, stream_);
-    if (!s) return s;
-    at::Tensor scratch = bytes_tensor(bytes, like_);
-    return gpu::linear_forward(p, phi, eps, order, q, k, v, o, data_or_null(scratch), bytes, stream_);
+    return with_scratch([&](void* ws, std::size_t& bytes) {
+      return gpu::linear_forward(p, phi, eps, order, q, k, v, o, ws, bytes, stream_);
+    });
   }
   vsa::status linear_backward(const vsa::problem& p, vsa::feature_map phi, float eps, vsa::token_order order,
                               vsa::const_tensor q, vsa::const_tensor k, vsa::const_tensor v, vsa::const_tensor d_o,
                               vsa::tensor dq, vsa::tensor dk, vsa::tensor dv) {
-    std::size_t bytes = 0;
-    vsa::status s = gpu::linear_backward(p, phi, eps, order, q, k, v, d_o, dq, dk, dv, nullptr, bytes, stream_);
-    if (!s) return s;
-    at::Tensor scratch = bytes_tensor(bytes, like_);
-    return gpu::linear_backward(p, phi, eps, order, q, k, v, d_o, dq, dk, dv, data_or_null(scratch), bytes, stream_);
+    return with_scratch([&](void* ws, std::size_t& bytes) {
+      return gpu::linear_backward(p, phi, eps, order, q, k, v, d_o, dq, dk, dv, ws, bytes, stream_);
+    });
   }
 
 private:
+  // The two-phase workspace protocol of an entry point `call(workspace, bytes)`: its size asked with a null
+  // workspace, then the call on that much scratch from torch's allocator.
+  template <class Call> vsa::status with_scratch(const Call& call) {
+    std::size_t bytes = 0;
+    const vsa::status s = call(nullptr, bytes);
+    if (!s) return s;
+    at::Tensor scratch = bytes_tensor(bytes, like_);
+    return call(data_or_null(scratch), bytes);
+  }
+
   static c10::Device check_cuda(const at::Tensor& x) {
     TORCH_CHECK_VALUE(x.is_cuda(), "vsa: the CUDA kernel was given a tensor on ", x.device());
     return x.device();

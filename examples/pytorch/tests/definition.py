@@ -101,8 +101,8 @@ def lists_to_selection(q2k, counts, n):
 
 
 def video_sparse_attention(q, k, v, gate, grid, top_k, scale, lists=None):
-    """o = o_s + g ⊙ o_c in tiled order. lists: (q2k, counts) to use instead of the top-k of the coarse scores;
-    given with lists_only=True semantics of the op (caller lists: no coarse branch) by passing gate='none'."""
+    """o = o_s + g ⊙ o_c in tiled order (g = 1 where gate is None). lists: (q2k, counts) to select the key tiles
+    instead of the top-k of the coarse scores (the coarse branch still adds o_c: the op given its own selection)."""
     valid, _ = _valid_slots(grid, q.device)
     hq = q.shape[2]
     q_c, k_c, v_c = block_means(q, grid), _heads(block_means(k, grid), hq), _heads(block_means(v, grid), hq)

@@ -127,8 +127,8 @@ inline std::size_t whole_workspace_bytes(const op_workspace& w, bool backward) {
   return w.state_bytes + scratch;
 }
 
-// The one-workspace form of a pass: a size query, or `pass` run on the state at the workspace's start and the
-// scratch after it.
+// The one-workspace form of a pass: a size query, or `pass` run with the plan on the state at the workspace's
+// start and the scratch after it.
 template <class Pass> status in_one_workspace(const problem& p, const options& opt, bool backward, void* workspace,
                                               std::size_t& workspace_bytes, const Pass& pass) {
   op_workspace w;
@@ -142,7 +142,7 @@ template <class Pass> status in_one_workspace(const problem& p, const options& o
   if (!(s = check_workspace(workspace, workspace_bytes, whole))) return s;
   op_buffers b{workspace, w.state_bytes, static_cast<unsigned char*>(workspace) + w.state_bytes,
                workspace_bytes - w.state_bytes};
-  return pass(b);
+  return pass(w, b);
 }
 
 inline status check_buffers(const op_buffers& b, std::size_t state_bytes, std::size_t scratch_bytes) {
@@ -164,14 +164,12 @@ inline status check_gate(const problem& p, const op_workspace& w, const const_te
 
 } // namespace detail
 
-// The whole op's forward: o = o_s + g ⊙ o_c, with its memory in two parts (op_buffers): with
-// buffers.state == nullptr only the sizes are set. The state then holds what backward() needs: keep it
-// unchanged until then; the scratch is free once the call's work on the stream is done.
-inline status forward(const problem& p, const options& opt, const forward_io& io, op_buffers& buffers,
-                      gpu::stream_t stream) {
-  detail::op_workspace w;
-  status s = detail::plan_op(p, opt, w);
-  if (!s) return s;
+namespace detail {
+
+// The forward on its plan (both forms of forward() below plan once).
+inline status forward_planned(const problem& p, const options& opt, const op_workspace& w, const forward_io& io,
+                              op_buffers& buffers, gpu::stream_t stream) {
+  status s = status::ok();
   if (buffers.state == nullptr) {
     buffers.state_bytes = w.state_bytes;
     buffers.scratch_bytes = w.forward_scratch_bytes;
@@ -237,12 +235,25 @@ inline status forward(const problem& p, const options& opt, const forward_io& io
   });
 }
 
+} // namespace detail
+
+// The whole op's forward: o = o_s + g ⊙ o_c, with its memory in two parts (op_buffers): with
+// buffers.state == nullptr only the sizes are set. The state then holds what backward() needs: keep it
+// unchanged until then; the scratch is free once the call's work on the stream is done.
+inline status forward(const problem& p, const options& opt, const forward_io& io, op_buffers& buffers,
+                      gpu::stream_t stream) {
+  detail::op_workspace w;
+  const status s = detail::plan_op(p, opt, w);
+  return s ? detail::forward_planned(p, opt, w, io, buffers, stream) : s;
+}
+
 // The whole op's forward in one workspace: with workspace == nullptr only workspace_bytes is set. The
 // workspace then holds what backward() needs: keep it unchanged until then.
 inline status forward(const problem& p, const options& opt, const forward_io& io, void* workspace,
                       std::size_t& workspace_bytes, gpu::stream_t stream) {
-  return detail::in_one_workspace(p, opt, false, workspace, workspace_bytes,
-                                  [&](op_buffers& b) { return forward(p, opt, io, b, stream); });
+  return detail::in_one_workspace(
+      p, opt, false, workspace, workspace_bytes,
+      [&](const detail::op_workspace& w, op_buffers& b) { return detail::forward_planned(p, opt, w, io, b, stream); });
 }
 
 // The q2k lists the forward selected, as views into its state (capacity k; valid while the state is), for a
@@ -261,13 +272,12 @@ inline status selected_lists(const problem& p, const options& opt, const void* s
   return status::ok();
 }
 
-// The whole op's backward: dq, dk, dv (and dgate when a gate was given) from dO, with the state the forward
-// filled and scratch of its own (buffers.state == nullptr: only the sizes are set).
-inline status backward(const problem& p, const options& opt, const backward_io& io, op_buffers& buffers,
-                       gpu::stream_t stream) {
-  detail::op_workspace w;
-  status s = detail::plan_op(p, opt, w);
-  if (!s) return s;
+namespace detail {
+
+// The backward on its plan (both forms of backward() below plan once).
+inline status backward_planned(const problem& p, const options& opt, const op_workspace& w, const backward_io& io,
+                               op_buffers& buffers, gpu::stream_t stream) {
+  status s = status::ok();
   if (buffers.state == nullptr) {
     buffers.state_bytes = w.state_bytes;
     buffers.scratch_bytes = w.backward_scratch_bytes;
@@ -363,12 +373,24 @@ inline status backward(const problem& p, const options& opt, const backward_io& 
   });
 }
 
+} // namespace detail
+
+// The whole op's backward: dq, dk, dv (and dgate when a gate was given) from dO, with the state the forward
+// filled and scratch of its own (buffers.state == nullptr: only the sizes are set).
+inline status backward(const problem& p, const options& opt, const backward_io& io, op_buffers& buffers,
+                       gpu::stream_t stream) {
+  detail::op_workspace w;
+  const status s = detail::plan_op(p, opt, w);
+  return s ? detail::backward_planned(p, opt, w, io, buffers, stream) : s;
+}
+
 // The whole op's backward in one workspace, the one the forward filled (its bytes, asked with
 // workspace == nullptr, are at least the forward's).
 inline status backward(const problem& p, const options& opt, const backward_io& io, void* workspace,
                        std::size_t& workspace_bytes, gpu::stream_t stream) {
-  return detail::in_one_workspace(p, opt, true, workspace, workspace_bytes,
-                                  [&](op_buffers& b) { return backward(p, opt, io, b, stream); });
+  return detail::in_one_workspace(
+      p, opt, true, workspace, workspace_bytes,
+      [&](const detail::op_workspace& w, op_buffers& b) { return detail::backward_planned(p, opt, w, io, b, stream); });
 }
 
 } // namespace vsa

@@ -43,9 +43,13 @@ def to_bshd(x, layout):
         raise ValueError(f"vsa: layout: must be 'bshd' or 'bhsd', got {layout!r}")
     if x.dim() != 4:
         raise ValueError(f"vsa: tensors must be 4-d ({layout}), got shape {tuple(x.shape)}")
-    if x.stride(-1) != 1 and x.shape[-1] > 1:
-        x = x.contiguous()
+    x = head_contiguous(x)
     return x.transpose(1, 2) if layout == "bhsd" else x
+
+
+def head_contiguous(x):
+    """x itself where its head dim is contiguous, as the kernels read it; a contiguous copy otherwise."""
+    return x.contiguous() if x.stride(-1) != 1 and x.shape[-1] > 1 else x
 
 
 def from_bshd(x, layout):

@@ -6,45 +6,37 @@ current stream; CPU: the library's reference, any float dtype), with scratch fro
 synchronisation, so the ops can be captured in CUDA graphs and traced by torch.compile."""
 import torch
 
-from ._layout import check_grid, from_bshd, to_bshd
+from ._layout import check_grid, from_bshd, head_contiguous, to_bshd
 
 _ops = torch.ops.vsa
 
 
 # ---- tiling -----------------------------------------------------------------------------------------------
 
-class _Tile(torch.autograd.Function):
+class _Layout(torch.autograd.Function):
+    """tile (to_tiled) or untile, each the other's backward: tile's padding slots hold constants, and the
+    gradient of the slots untile drops is zero."""
+
     @staticmethod
-    def forward(ctx, x, grid):
-        ctx.grid = grid
-        return _ops.tile(x, grid)
+    def forward(ctx, x, grid, to_tiled):
+        ctx.grid, ctx.to_tiled = grid, to_tiled
+        return (_ops.tile if to_tiled else _ops.untile)(x, grid)
 
     @staticmethod
     def backward(ctx, dy):
-        return _ops.untile(dy, ctx.grid), None  # the padding slots hold constants
-
-
-class _Untile(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, grid):
-        ctx.grid = grid
-        return _ops.untile(x, grid)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return _ops.tile(dy, ctx.grid), None  # zero for the padding slots, which untile drops
+        return (_ops.untile if ctx.to_tiled else _ops.tile)(head_contiguous(dy), ctx.grid), None, None
 
 
 def tile(x, grid, *, layout="bshd"):
     """Raster order (t, h, w) -> tiled order: x [B, T·H·W, H, D] -> [B, N·64, H, D], padding slots zero."""
     grid = check_grid(grid)
-    return from_bshd(_Tile.apply(to_bshd(x, layout), grid), layout)
+    return from_bshd(_Layout.apply(to_bshd(x, layout), grid, True), layout)
 
 
 def untile(x, grid, *, layout="bshd"):
     """Tiled order -> raster order: x [B, N·64, H, D] -> [B, T·H·W, H, D], padding slots dropped."""
     grid = check_grid(grid)
-    return from_bshd(_Untile.apply(to_bshd(x, layout), grid), layout)
+    return from_bshd(_Layout.apply(to_bshd(x, layout), grid, False), layout)
 
 
 # ---- the whole op -----------------------------------------------------------------------------------------
@@ -78,7 +70,7 @@ class _VideoSparseAttention(torch.autograd.Function):
         if retile:
             q, k, v = _ops.tile(q, grid), _ops.tile(k, grid), _ops.tile(v, grid)
             gate = _ops.tile(gate, grid) if gated else None
-        d_o = d_out.contiguous() if d_out.stride(-1) != 1 else d_out
+        d_o = head_contiguous(d_out)
         if raster:
             d_o, o = _ops.tile(d_o, grid), _ops.tile(out, grid)
         else:
@@ -139,7 +131,7 @@ class _SparseAttention(torch.autograd.Function):
     def backward(ctx, d_o, _lse):
         grid, scale = ctx.args
         q, k, v, o, lse, q2k, q2k_count = ctx.saved_tensors
-        d_o = d_o.contiguous() if d_o.stride(-1) != 1 else d_o
+        d_o = head_contiguous(d_o)
         dq, dk, dv = _ops.sparse_attention_backward(d_o, q, k, v, o, lse, q2k, q2k_count, grid, scale)
         return dq, dk, dv, None, None, None, None
 
@@ -174,7 +166,7 @@ class _LinearAttention(torch.autograd.Function):
     def backward(ctx, d_o):
         grid, phi, eps, raster = ctx.args
         q, k, v = ctx.saved_tensors
-        d_o = d_o.contiguous() if d_o.stride(-1) != 1 else d_o
+        d_o = head_contiguous(d_o)
         dq, dk, dv = _ops.linear_attention_backward(d_o, q, k, v, grid, phi, eps, raster)
         return dq, dk, dv, None, None, None, None
 
