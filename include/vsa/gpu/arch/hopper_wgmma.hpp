@@ -92,6 +92,9 @@ template <int K> __device__ __forceinline__ void pin(uint32_t (&x)[K][4]) {
                "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " DLIST ", " TAIL ";\n}"              \
                : __VA_ARGS__                                                                                           \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(acc), "n"(TransB))
+#define VSA_WG_RS8(TYPE)                                                                                               \
+  VSA_WG_RS(8, TYPE, "{%0, %1, %2, %3}", "%9", "{%4, %5, %6, %7}, %8, p, 1, 1, %10", "+f"(d[0]), "+f"(d[1]),           \
+            "+f"(d[2]), "+f"(d[3]))
 #define VSA_WG_RS64(TYPE)                                                                                              \
   VSA_WG_RS(64, TYPE, VSA_WG_D32, "%37", "{%32, %33, %34, %35}, %36, p, 1, 1, %38", VSA_WG_ACC32(d, 0))
 #define VSA_WG_RS128(TYPE)                                                                                             \
@@ -100,8 +103,12 @@ template <int K> __device__ __forceinline__ void pin(uint32_t (&x)[K][4]) {
 
 template <bool BF16, int N, int TransB>
 __device__ __forceinline__ void mma_rs(float* d, const uint32_t (&a)[4], uint64_t b, int acc = 1) {
-  static_assert(N == 64 || N == 128, "wgmma shapes used: n64, n128");
-  if constexpr (N == 64 && BF16) {
+  static_assert(N == 8 || N == 64 || N == 128, "wgmma shapes used: n8 (row sums), n64, n128");
+  if constexpr (N == 8 && BF16) {
+    VSA_WG_RS8("bf16");
+  } else if constexpr (N == 8) {
+    VSA_WG_RS8("f16");
+  } else if constexpr (N == 64 && BF16) {
     VSA_WG_RS64("bf16");
   } else if constexpr (N == 64) {
     VSA_WG_RS64("f16");
@@ -166,6 +173,7 @@ __device__ __forceinline__ void mma_ss(float* d, uint64_t a, uint64_t b, int acc
 #undef VSA_WG_SS
 #undef VSA_WG_RS128
 #undef VSA_WG_RS64
+#undef VSA_WG_RS8
 #undef VSA_WG_RS
 #undef VSA_WG_D64
 #undef VSA_WG_D32
@@ -209,15 +217,20 @@ template <class E, int D> struct warpgroup_mma : warp_mma<E, D> {
     wgmma::wait<0>();
     wgmma::pin_first<W / 2>(s.x);
   }
+  // The first W/16 k steps of P rounded to E, as the A operand of a product over P's columns (the m16n8k16 A
+  // layout per warp).
+  template <int W> __device__ __forceinline__ static void pack_steps(uint32_t (&a)[W / 16][4], const score_tile& p) {
+#pragma unroll
+    for (int kk = 0; kk < W / 16; ++kk)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) a[kk][r] = E::pack(p.x[nv_lanes::p_elem(kk, r, 0)], p.x[nv_lanes::p_elem(kk, r, 1)]);
+  }
   // o += P · B, P the score tile rounded to E (A operand in registers, as with mma.sync), B MN-major; over the
   // first W columns of P and rows of b only.
   template <int W = tile_rows>
   __device__ __forceinline__ static void nn(out_tile& o, const score_tile& p, smem_tile<D> b) {
     uint32_t a[W / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < W / 16; ++kk)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) a[kk][r] = E::pack(p.x[nv_lanes::p_elem(kk, r, 0)], p.x[nv_lanes::p_elem(kk, r, 1)]);
+    pack_steps<W>(a, p);
     wgmma::pin(o.x);
     wgmma::fence();
 #pragma unroll
@@ -234,13 +247,7 @@ template <class E, int D> struct warpgroup_mma : warp_mma<E, D> {
   struct prob_frag { // P rounded to E, as the A operand of nn (four k steps of 16 keys)
     uint32_t x[4][4];
   };
-  __device__ __forceinline__ static void pack(prob_frag& a, const score_tile& p) {
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-      for (int r = 0; r < 4; ++r)
-        a.x[kk][r] = E::pack(p.x[nv_lanes::p_elem(kk, r, 0)], p.x[nv_lanes::p_elem(kk, r, 1)]);
-  }
+  __device__ __forceinline__ static void pack(prob_frag& a, const score_tile& p) { pack_steps<tile_rows>(a.x, p); }
   //
   // ptxas keeps wgmma groups in flight across other instructions only where nothing but wgmma defines a
   // register a wgmma of the group reads between the fence and the commit; otherwise it waits after each one
@@ -286,6 +293,51 @@ template <class E, int D> struct warpgroup_mma : warp_mma<E, D> {
   }
   // After the wait that completes the group reading them: keeps P's registers from being reused before then.
   __device__ __forceinline__ static void pin(prob_frag& a) { wgmma::pin(a.x); }
+
+  // Two independent products in one commit group with one wait (the matrix layer's nt_pair / nn_pair,
+  // matrix.hpp): the tensor cores start the second chain while the first drains, where nt and nn each wait for
+  // their own. nt_pair writes s1 = a1 · b1ᵀ and s2 = a2 · b2ᵀ (no zeros needed); nn_pair adds p1 · c1 to o1 and
+  // p2 · c2 to o2, both P rounded to E before the fence. nt_pair<W> writes the first W columns only (as nt<W>).
+  // Head dim 128 only: at D = 64 the order a pair needs in dq (both tiles waited for first) measured 1.06x
+  // slower on the H200, and D = 64 keeps the order before pairs (bench/NOTES.md, v15).
+  static constexpr bool one_group_pairs = D == 128;
+  template <int W = tile_rows> __device__ __forceinline__ static void
+  nt_pair(score_tile& s1, smem_tile<D> a1, smem_tile<D> b1, score_tile& s2, smem_tile<D> a2, smem_tile<D> b2) {
+    wgmma::pin_first<W / 2>(s1.x);
+    wgmma::pin_first<W / 2>(s2.x);
+    wgmma::fence();
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks)
+      wgmma::mma_ss<E::is_bf16, W, 0, 0>(s1.x, k_major(a1, ks), k_major(b1, ks), ks > 0 ? 1 : 0);
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks)
+      wgmma::mma_ss<E::is_bf16, W, 0, 0>(s2.x, k_major(a2, ks), k_major(b2, ks), ks > 0 ? 1 : 0);
+    wgmma::commit();
+    wgmma::wait<0>();
+    wgmma::pin_first<W / 2>(s1.x);
+    wgmma::pin_first<W / 2>(s2.x);
+  }
+  __device__ __forceinline__ static void nn_pair(out_tile& o1, const score_tile& p1, smem_tile<D> c1, out_tile& o2,
+                                                 const score_tile& p2, smem_tile<D> c2) {
+    prob_frag a1, a2;
+    pack(a1, p1);
+    pack(a2, p2);
+    pin(a1);
+    pin(a2);
+    wgmma::pin(o1.x);
+    wgmma::pin(o2.x);
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma::mma_rs<E::is_bf16, D, 1>(o1.x, a1.x[kk], mn_major(c1, kk));
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma::mma_rs<E::is_bf16, D, 1>(o2.x, a2.x[kk], mn_major(c2, kk));
+    wgmma::commit();
+    wgmma::wait<0>();
+    wgmma::pin(o1.x);
+    wgmma::pin(o2.x);
+    pin(a1);
+    pin(a2);
+  }
 
   // A 16 × D band of this warp (D/64 score tiles, columns 64c … of tile c) rounded to E, as the A operand of
   // the D/16 k steps of a product over the head dim: the accumulator-to-A identity that keeps P in registers
@@ -390,6 +442,30 @@ template <class E, int D> struct warpgroup_mma : warp_mma<E, D> {
   // 1024-byte swizzle atom, 1024-byte aligned. The four k steps start 32 bytes apart in it and each reads
   // 8 rows of 32 bytes, all inside the atom, so with every element 1 the swizzle does not matter.
   static constexpr int ones_bytes = 1024;
+
+  // nn (o += P · B) and, in the same chain, l += P · ones: P's row sums from the matrix cores, of P exactly as
+  // the product rounds it (the block of ones at `ones`, K-major as in tn_sums). Every column of l is the row's
+  // sum: slot r at x[2r]. The forward's row sums then cost W/16 m64n8k16 a step instead of rounding P a second
+  // time and adding it up in the softmax (about 1.5 instructions an element, bench/NOTES.md v13). Over the first
+  // W keys only (a narrow step).
+  static constexpr bool row_sums_by_product = true;
+  template <int W = tile_rows> __device__ __forceinline__ static void
+  nn_sums(out_tile& o, sum_tile& l, const score_tile& p, smem_tile<D> b, const uint16_t* ones) {
+    uint32_t a[W / 16][4];
+    pack_steps<W>(a, p);
+    wgmma::pin(o.x);
+    wgmma::pin(l.x);
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < W / 16; ++kk) wgmma::mma_rs<E::is_bf16, D, 1>(o.x, a[kk], mn_major(b, kk));
+#pragma unroll
+    for (int kk = 0; kk < W / 16; ++kk)
+      wgmma::mma_rs<E::is_bf16, 8, 0>(l.x, a[kk], wgmma::descriptor(ones, wgmma_layout::k_major(kk)));
+    wgmma::commit();
+    wgmma::wait<0>();
+    wgmma::pin(o.x);
+    wgmma::pin(l.x);
+  }
 
   // tn (o += aᵀ·b, A = panel `panel` of a read transposed) and, in the same chain of one commit group, the
   // sums over the 64 rows of that panel of a (sa) and of panel `panel` of b (sb): each is that panel read

@@ -12,6 +12,8 @@
 //   nt<W>, nn<W>                       the same over the first W = 16 or 32 rows of b only: the first W
 //                                      columns of s (its first score_elems·W/64 elements), the first W
 //                                      columns of p (a narrow step over a partial tile, attention_schedule.hpp)
+//   nt_pair, nn_pair (free functions)  two independent nt or nn whose results are read after both: one
+//                                      wait for the pair where the backend can keep both in flight
 //   tn(o, a, panel, b)                 wgmma backend only: o += aᵀ · b over the 64 rows of two shared tiles,
 //                                      aᵀ the 64 columns of one panel of a, read transposed
 //   tn_sums(o, sa, sb, a, panel, b, ones)
@@ -23,6 +25,8 @@
 // attention_mma<E, D>: on Hopper (device code compiled for sm_90a) that is the warpgroup backend of
 // hopper_wgmma.hpp, whose nt and nn read shared tiles through wgmma descriptors; elsewhere warp_mma.
 #pragma once
+
+#include <type_traits>
 
 #include "smem_tile.hpp"
 #if VSA_PLATFORM_AMD
@@ -44,6 +48,51 @@ template <class E, int D> using attention_mma = warpgroup_mma<E, D>;
 #else
 template <class E, int D> using attention_mma = warp_mma<E, D>;
 #endif
+
+// Two independent products whose results are read only after both: s1 = a1 · b1ᵀ and s2 = a2 · b2ᵀ (nt_pair,
+// a1 and a2 the band's rows row0.. of shared tiles; nt_pair<M, W> over the first W rows of b1 and b2 only, as
+// nt<W>), o1 += p1 · c1 and o2 += p2 · c2 (nn_pair). A backend that
+// can keep both in flight says so (one_group_pairs) and has members of these names: the wgmma backend issues
+// both chains as one group with one wait. The others run them in turn.
+template <class M, class = void> struct one_group_pairs : std::false_type {};
+template <class M> struct one_group_pairs<M, std::void_t<decltype(M::one_group_pairs)>>
+    : std::bool_constant<M::one_group_pairs> {};
+
+template <class M, int W = tile_rows, int D>
+__device__ __forceinline__ void nt_pair(typename M::score_tile& s1, smem_tile<D> a1, smem_tile<D> b1,
+                                        typename M::score_tile& s2, smem_tile<D> a2, smem_tile<D> b2, int row0) {
+  if constexpr (one_group_pairs<M>::value) {
+    M::template nt_pair<W>(s1, a1, b1, s2, a2, b2);
+  } else {
+#pragma unroll
+    for (int e = 0; e < M::score_elems; ++e) s1.x[e] = 0.f, s2.x[e] = 0.f;
+    M::template nt<W>(s1, a1, row0, b1);
+    M::template nt<W>(s2, a2, row0, b2);
+  }
+}
+template <class M, int D>
+__device__ __forceinline__ void nn_pair(typename M::out_tile& o1, const typename M::score_tile& p1, smem_tile<D> c1,
+                                        typename M::out_tile& o2, const typename M::score_tile& p2, smem_tile<D> c2) {
+  if constexpr (one_group_pairs<M>::value) {
+    M::nn_pair(o1, p1, c1, o2, p2, c2);
+  } else {
+    M::nn(o1, p1, c1);
+    M::nn(o2, p2, c2);
+  }
+}
+
+// Whether the backend forms P's row sums in the P · V chain (row_sums_by_product, with nn_sums: the wgmma
+// backend, from a block of ones in shared memory) and the accumulator it forms them in; elsewhere the softmax
+// adds them up and `tile` is a placeholder.
+template <class M, class = void> struct row_sums_by_product : std::false_type {
+  struct tile {
+    float x[4];
+  };
+};
+template <class M> struct row_sums_by_product<M, std::void_t<decltype(M::row_sums_by_product)>>
+    : std::bool_constant<M::row_sums_by_product> {
+  using tile = typename M::sum_tile;
+};
 
 // Copies the 64 rows of a [rows, D] tile from global memory (row r at src + r·row_stride) into a shared
 // tile, 16 bytes a thread at a time; rows at or past `valid` are zero-filled so that padding slots hold no

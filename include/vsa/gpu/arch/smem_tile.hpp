@@ -66,13 +66,19 @@ inline constexpr int max_block_smem = 64 * 1024;
 inline constexpr int max_block_smem = 99 * 1024;
 #endif
 
-// Blocks of the forward kernel that should share a multiprocessor: its shared memory lets three sit on a
-// Hopper SM (227 KiB), which also needs registers capped at 170 a thread; CDNA places by LDS alone.
+// Blocks of the forward kernel that should share a multiprocessor, the register cap __launch_bounds__ derives
+// from it (65536 / (128 threads · blocks)). Hopper's sparse pass: the one-stage pipeline's 48 KiB (D = 128) or
+// 40 KiB (D = 64) let four sit on an SM's 227 KiB, so registers are capped at 128 (ptxas spills 16-92 bytes at
+// D = 128, none at D = 64); measured on the H200 against three blocks (163 / 136 registers): 1.04-1.05x at
+// D = 128, 1.10x at D = 64 (bench/NOTES.md, v15). Elsewhere three, the most the shared memory of two stages
+// allows on sm_80 and sm_90 (the coarse pass); CDNA places by LDS alone.
+inline constexpr int forward_min_blocks([[maybe_unused]] bool hopper, [[maybe_unused]] bool few_blocks) {
 #if VSA_PLATFORM_AMD
-inline constexpr int forward_min_blocks = 1;
+  return 1;
 #else
-inline constexpr int forward_min_blocks = 3;
+  return hopper && !few_blocks ? 4 : 3;
 #endif
+}
 
 // Whether the device code being compiled is Hopper's or later (sm_90+): the forward then runs its one-stage
 // pipeline. The host learns the same of a kernel from the binary version of the code it runs as.
@@ -92,12 +98,12 @@ template <int D> struct smem_plan {
   // of the GPU (the coarse pass). Two stages: while tile j is used, tile j+1 streams into the other stage;
   // Q, read into registers first, borrows the second stage's K slot. On Hopper the wgmma backend reads Q
   // from shared memory in every product, so Q keeps a slot of its own, and a grid that fills the GPU gets
-  // one stage: Q, K and V in 48 KiB for D = 128, three blocks per SM (the registers, 156 a thread, allow
-  // three; the shared memory four), against two with two stages and Q's own slot (80 KiB). Measured on an
-  // H200 (bench/NOTES.md): 1.17x faster than two stages. With the copy engine (hopper_tma.hpp) K and V are
-  // each refilled right after the product that reads them, so one stage still overlaps copy and work. The
-  // coarse pass keeps two stages and copy_tile: there each block's chain of steps matters, not occupancy,
-  // and one stage through the copy engine measured slower (23.4 → 27.9 µs on wan2.1, bench/NOTES.md v8).
+  // one stage: Q, K and V in 48 KiB for D = 128, four blocks per SM with registers capped at 128
+  // (forward_min_blocks), against two with two stages and Q's own slot (80 KiB). Measured on an H200
+  // (bench/NOTES.md): one stage 1.17x faster than two at three blocks an SM, four blocks 1.04x more. With the copy
+  // engine (hopper_tma.hpp) K and V are each refilled right after the product that reads them, so one stage still
+  // overlaps copy and work. The coarse pass keeps two stages and copy_tile: there each block's chain of steps matters,
+  // not occupancy, and one stage through the copy engine measured slower (23.4 → 27.9 µs on wan2.1, bench/NOTES.md v8).
   //
   // Head dim 64 on Hopper is the exception (forward_overlap): its tiles are small (40 KiB for two stages and
   // Q; registers, not shared memory, bound its blocks an SM), and its matrix work per step is no more than
@@ -110,26 +116,47 @@ template <int D> struct smem_plan {
   static constexpr bool forward_q_shares(bool hopper, bool few_blocks) {
     return !hopper && forward_stages(hopper, few_blocks) == 2;
   }
+  // Hopper's sparse pass in the one-step loop forms P's row sums on the matrix cores (row_sums_by_product,
+  // matrix.hpp) from a block of ones after Q: 1 KiB more, four blocks an SM still.
+  static constexpr int ones_bytes = 1024; // warpgroup_mma::ones_bytes, which host code cannot name
+  static constexpr bool forward_ones(bool hopper, bool few_blocks) {
+    return hopper && !few_blocks && !forward_overlap(hopper, few_blocks);
+  }
   static constexpr int forward_bytes(bool hopper, bool few_blocks) {
     return (2 * forward_stages(hopper, few_blocks) + (forward_q_shares(hopper, few_blocks) ? 0 : 1)) * tile +
-           smem_slack;
+           (forward_ones(hopper, few_blocks) ? ones_bytes : 0) + smem_slack;
   }
   // Backward: two stages where they fit, except on Hopper, where one stage (64 KiB for D = 128: three dq
   // blocks per SM instead of two) measured 1.07x faster on the H200.
   static constexpr int backward_stages(bool hopper) {
     return !hopper && (2 + 2 * 2) * tile + stats + smem_slack <= max_block_smem ? 2 : 1;
   }
+  // dk/dv takes two stages of Q and dO wherever they fit, Hopper's D = 128 included: its registers (254 a
+  // thread) hold it at two blocks an SM whatever its shared memory, so the second stage costs no block, and
+  // the next pair's tiles stream in through the copy engine during the whole of a step: 1.04x on the H200
+  // (bench/NOTES.md, v15). Hopper's D = 64 keeps one: its second stage goes through cp.async (no copy engine
+  // there, see the kernel) and measured 1.04x slower.
+  static constexpr int dkdv_stages(bool hopper) {
+    return hopper && D == 64 ? 1 : (2 + 2 * 2) * tile + stats + smem_slack <= max_block_smem ? 2 : 1;
+  }
   static constexpr bool stats_in_smem(bool hopper) {
     return (2 + 2 * backward_stages(hopper)) * tile + stats + smem_slack <= max_block_smem;
+  }
+  static constexpr bool dkdv_stats_in_smem(bool hopper) {
+    return (2 + 2 * dkdv_stages(hopper)) * tile + stats + smem_slack <= max_block_smem;
   }
   static constexpr int backward_bytes(bool hopper) {
     return (2 + 2 * backward_stages(hopper)) * tile + (stats_in_smem(hopper) ? stats : 0) + smem_slack;
   }
+  static constexpr int dkdv_bytes(bool hopper) {
+    return (2 + 2 * dkdv_stages(hopper)) * tile + (dkdv_stats_in_smem(hopper) ? stats : 0) + smem_slack;
+  }
   static_assert(forward_bytes(false, false) <= max_block_smem && forward_bytes(false, true) <= max_block_smem &&
-                    backward_bytes(false) <= max_block_smem,
+                    backward_bytes(false) <= max_block_smem && dkdv_bytes(false) <= max_block_smem,
                 "tiles do not fit");
 #if VSA_PLATFORM_NVIDIA
-  static_assert(forward_bytes(true, true) <= max_block_smem && backward_bytes(true) <= max_block_smem,
+  static_assert(forward_bytes(true, true) <= max_block_smem && backward_bytes(true) <= max_block_smem &&
+                    dkdv_bytes(true) <= max_block_smem,
                 "tiles do not fit");
 #endif
 };

@@ -157,24 +157,43 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads))
       typename M::score_tile st, dp;
 #pragma unroll
       for (int e = 0; e < n; ++e) st.x[e] = 0.f, dp.x[e] = 0.f;
-#if VSA_WGMMA
+      // dPᵀ and S. Where the backend pairs products (one_group_pairs: Hopper at D = 128) both tiles are waited
+      // for first and the two products share one wait, V refilled after both; otherwise V is refilled as soon
+      // as dPᵀ has read it, before K is waited for (at D = 64 the pair's order measured 1.06x slower,
+      // bench/NOTES.md v15). The dense pass reads its scores instead of forming S.
+      constexpr bool paired = one_group_pairs<M>::value && products_s;
       // Both tiles' padding rows among the W the products read are zeroed on the copy-engine path: at a padded
       // column the probability is zero, and zero times a NaN from dO·Vᵀ, or dS times a NaN of K, would still be
       // NaN.
-      if (tma) copies.v.wait<D>(sv(0), kv, tid, nthreads, W);
-#endif
-      M::template nt<W>(dp, sdo, row0, sv(buf));
+      const auto wait_tile = [&](bool key) {
 #if VSA_WGMMA
-      if (tma) {
-        __syncthreads(); // every warp's dO·Vᵀ has read V
-        if (tid == 0 && pos + 1 < end) copies.v.load<D>(sv(0), &p.v_map, s.at(pos + 1) * 64, hk, b);
-        copies.k.wait<D>(sk(0), kv, tid, nthreads, W);
-      }
+        if (tma) (key ? copies.k : copies.v).template wait<D>(key ? sk(0) : sv(0), kv, tid, nthreads, W);
+#else
+        (void)key;
 #endif
-      if constexpr (products_s) {
-        M::template nt<W>(st, sq, row0, sk(buf));
+      };
+      const auto refill_v = [&] {
+#if VSA_WGMMA
+        if (tma) {
+          __syncthreads(); // every warp's dO·Vᵀ has read V
+          if (tid == 0 && pos + 1 < end) copies.v.load<D>(sv(0), &p.v_map, s.at(pos + 1) * 64, hk, b);
+        }
+#endif
+      };
+      wait_tile(false);
+      if constexpr (paired) {
+        wait_tile(true);
+        nt_pair<M, W>(dp, sdo, sv(buf), st, sq, sk(buf), row0);
+        refill_v();
       } else {
-        load_scores<M>(st, p.scores + bh * rows_total * rows_total, s, i, s.at(pos), row0, false);
+        M::template nt<W>(dp, sdo, row0, sv(buf));
+        refill_v();
+        wait_tile(true);
+        if constexpr (products_s) {
+          M::template nt<W>(st, sq, row0, sk(buf));
+        } else {
+          load_scores<M>(st, p.scores + bh * rows_total * rows_total, s, i, s.at(pos), row0, false);
+        }
       }
       // dS; the columns past the key tile's valid count get P = 0 (a tile whose valid rows fill the width, the
       // common case, without a test per element, as in the forward).
@@ -215,13 +234,15 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads))
 }
 
 // Its steps stay 64 wide: narrowing them by the query tile's valid rows gained 1% on wan2.1 and made the
-// kernel spill on gfx940 (bench/NOTES.md, v12).
+// kernel spill on gfx940 (bench/NOTES.md, v12). Where two stages fit (smem_plan::dkdv_stages) the next pair's
+// Q, dO and row statistics are asked for at the start of a step, into the other stage, and waited for at its
+// end; each step's four products go as two pairs (nt_pair, nn_pair), one wait each.
 template <class E, int D, class Sched> __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads))
     attention_dkdv_kernel(const VSA_GRID_CONSTANT backward_params p, Sched s) {
   using M = attention_mma<E, D>;
   constexpr int nthreads = 4 * M::threads;
-  constexpr int stages = smem_plan<D>::backward_stages(hopper_code);
-  constexpr bool stats_in_smem = smem_plan<D>::stats_in_smem(hopper_code);
+  constexpr int stages = smem_plan<D>::dkdv_stages(hopper_code);
+  constexpr bool stats_in_smem = smem_plan<D>::dkdv_stats_in_smem(hopper_code);
 
   extern __shared__ uint4 smem_raw[];
   uint16_t* sm = aligned_smem(smem_raw);
@@ -250,62 +271,82 @@ template <class E, int D, class Sched> __global__ void __launch_bounds__((4 * wa
     s.range(b * p.q_heads + hk * p.group + g, j, begin, end);
   };
 #if VSA_WGMMA
-  // Q and dO through the copy engine where the host encoded their maps (hopper_tma.hpp); the row statistics
-  // keep their plain loads. Not at D = 64: there the path costs registers (165 → 174) and with them the
-  // third block an SM, and capped at three blocks it measured slower on the H200 (bench/NOTES.md, v8).
-  __shared__ __align__(8) uint64_t q_ready;
-  const bool tma = D == 128 && stages == 1 && p.tma != 0;
-  tma::tile_pair q_pair{&q_ready, 0u};
-  tma::init_barriers(&q_ready, 1, tma, tid);
+  // Q and dO through the copy engine where the host encoded their maps (hopper_tma.hpp), a barrier a stage;
+  // the row statistics keep their plain loads. Not at D = 64: there the path costs registers (165 → 174) and
+  // with them the third block an SM, and capped at three blocks it measured slower on the H200
+  // (bench/NOTES.md, v8).
+  __shared__ __align__(8) uint64_t q_ready[stages];
+  const bool tma = D == 128 && p.tma != 0;
+  tma::init_barriers(q_ready, stages, tma, tid);
 #endif
-  const auto load_q = [&](int g, int64_t pos, int buf) {
+  // A pair's row statistics (threads < 64, one row each) are read into registers when its tiles are asked for
+  // and stored to its stage only at the barrier before it is used, so that the loads run under the step's
+  // products instead of holding the warpgroup's first product back by an L2 round trip.
+  struct row_stats {
+    float lse2, delta;
+  };
+  const auto load_q = [&](int g, int64_t pos, int buf, row_stats& r) {
     const int64_t h = hk * p.group + g, i = s.at(pos), bh = b * p.q_heads + h;
     const int qv = s.valid(i);
 #if VSA_WGMMA
     if (tma) {
-      if (tid == 0) q_pair.load<D>(sq(buf), &p.q_map, sdo(buf), &p.do_map, i * 64, h, b);
+      if (tid == 0) tma::tile_pair{&q_ready[buf], 0u}.load<D>(sq(buf), &p.q_map, sdo(buf), &p.do_map, i * 64, h, b);
     } else
 #endif
     {
       copy_tile(sq(buf), p.q.tile(b, h, i), p.q.token, qv, tid, nthreads);
       copy_tile(sdo(buf), p.d_o.tile(b, h, i), p.d_o.token, qv, tid, nthreads);
     }
-    if (stats_in_smem && tid < 64) {
-      const bool live = tid < qv;
-      stats[buf * 128 + tid] = live ? p.lse[bh * rows_total + i * 64 + tid] * log2_e : __builtin_huge_valf();
-      stats[buf * 128 + 64 + tid] = live ? p.delta[bh * rows_total + i * 64 + tid] : 0.f;
+    r = {__builtin_huge_valf(), 0.f};
+    if (stats_in_smem && tid < 64 && tid < qv) {
+      r.lse2 = p.lse[bh * rows_total + i * 64 + tid] * log2_e;
+      r.delta = p.delta[bh * rows_total + i * 64 + tid];
     }
+  };
+  const auto put_stats = [&](const row_stats& r, int buf) {
+    if (stats_in_smem && tid < 64) {
+      stats[buf * 128 + tid] = r.lse2;
+      stats[buf * 128 + 64 + tid] = r.delta;
+    }
+  };
+  // Waits for the pair in stage buf; `uses` counts the earlier waits on that stage (its barrier's phase).
+  const auto wait_q = [&](int64_t pos, int buf, int64_t uses) {
+#if VSA_WGMMA
+    if (tma)
+      tma::tile_pair{&q_ready[buf], static_cast<uint32_t>(uses & 1)}.wait<D>(sq(buf), sdo(buf), s.valid(s.at(pos)), tid,
+                                                                             nthreads);
+#else
+    (void)pos, (void)buf, (void)uses;
+#endif
   };
 
   typename M::out_tile dk, dv;
 #pragma unroll
   for (int e = 0; e < M::out_elems; ++e) dk.x[e] = 0.f, dv.x[e] = 0.f;
 
-  const auto wait_q = [&](int64_t pos, int buf) {
-#if VSA_WGMMA
-    if (tma) q_pair.wait<D>(sq(buf), sdo(buf), s.valid(s.at(pos)), tid, nthreads);
-#else
-    (void)pos, (void)buf;
-#endif
-  };
-
   int g = 0;
   int64_t pos = 0, end = 0;
   locate(0, pos, end);
   while (pos == end && ++g < p.group) locate(g, pos, end);
-  if (g < p.group) load_q(g, pos, 0);
+  if (g < p.group) {
+    row_stats first;
+    load_q(g, pos, 0, first);
+    put_stats(first, 0);
+  }
   copy_commit();
   copy_wait<0>();
-  if (g < p.group) wait_q(pos, 0);
+  if (g < p.group) wait_q(pos, 0, 0);
   __syncthreads();
 
   int buf = 0;
-  while (g < p.group) {
+  for (int64_t step = 0; g < p.group; ++step) {
     // Find the next pair before computing this one, so that its copy overlaps the arithmetic.
     int ng = g;
     int64_t npos = pos + 1, nend = end;
     while (npos == nend && ++ng < p.group) locate(ng, npos, nend);
-    if (stages == 2 && ng < p.group) load_q(ng, npos, buf ^ 1);
+    const int nbuf = buf ^ (stages - 1);
+    row_stats next{};
+    if (stages == 2 && ng < p.group) load_q(ng, npos, nbuf, next);
     copy_commit();
 
     // Statistics of the current query tile's rows, from shared memory or straight from global memory.
@@ -321,14 +362,14 @@ template <class E, int D, class Sched> __global__ void __launch_bounds__((4 * wa
       return c < cur_valid ? p.delta[cur_row + c] : 0.f;
     };
     typename M::score_tile st, dp;
-#pragma unroll
-    for (int e = 0; e < M::score_elems; ++e) st.x[e] = 0.f, dp.x[e] = 0.f;
     if constexpr (products_s) {
-      M::nt(st, sk, row0, sq(buf)); // Sᵀ: rows are keys, columns queries
+      nt_pair<M>(st, sk, sq(buf), dp, sv, sdo(buf), row0); // Sᵀ and dPᵀ: rows are keys, columns queries
     } else {
+#pragma unroll
+      for (int e = 0; e < M::score_elems; ++e) dp.x[e] = 0.f;
       load_scores<M>(st, p.scores + cur_bh * rows_total * rows_total, s, j, cur_i, row0, true);
+      M::nt(dp, sv, row0, sdo(buf));
     }
-    M::nt(dp, sv, row0, sdo(buf)); // dPᵀ
 #pragma unroll
     for (int e = 0; e < M::score_elems; ++e) {
       const int c = M::elem_col(e);
@@ -336,18 +377,19 @@ template <class E, int D, class Sched> __global__ void __launch_bounds__((4 * wa
       st.x[e] = pr;
       dp.x[e] = pr * (dp.x[e] - delta(c)); // dSᵀ
     }
-    M::nn(dv, st, sdo(buf));
-    M::nn(dk, dp, sq(buf));
+    nn_pair<M>(dv, st, sdo(buf), dk, dp, sq(buf));
 
     if (stages == 1) {
       __syncthreads();
-      if (ng < p.group) load_q(ng, npos, 0);
+      if (ng < p.group) load_q(ng, npos, 0, next);
       copy_commit();
     }
+    if (ng < p.group) put_stats(next, nbuf);
     copy_wait<0>();
-    if (ng < p.group) wait_q(npos, stages == 2 ? buf ^ 1 : 0);
+    // Pair step + 1 sits in stage (step + 1) mod stages, which has been waited on (step + 1) / stages times.
+    if (ng < p.group) wait_q(npos, nbuf, (step + 1) / stages);
     __syncthreads();
-    g = ng, pos = npos, end = nend, buf ^= (stages - 1);
+    g = ng, pos = npos, end = nend, buf = nbuf;
   }
 
   const int64_t bhk = b * p.kv_heads + hk;

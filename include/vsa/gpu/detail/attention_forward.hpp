@@ -38,7 +38,7 @@ struct forward_params {
 // grid has tiles of 32 valid tokens or fewer (has_narrow_tiles, attention_schedule.hpp), so that a grid without
 // them runs the loop of one width.
 template <class E, int D, class Sched, bool Narrow = false>
-__global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blocks)
+__global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blocks(hopper_code, Sched::few_blocks))
     attention_forward_kernel(const VSA_GRID_CONSTANT forward_params p, Sched s) {
   using M = attention_mma<E, D>;
   constexpr int nthreads = 4 * M::threads;
@@ -57,6 +57,13 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
   const auto sk = [&](int buf) { return smem_tile<D>{sm + (2 * buf) * 64 * D}; };
   const auto sv = [&](int buf) { return smem_tile<D>{sm + (1 + 2 * buf) * 64 * D}; };
   const smem_tile<D> sq = q_shares ? sk(1) : smem_tile<D>{sm + 2 * stages * 64 * D};
+  // P's row sums: formed in the P·V chain from a block of ones after Q where the backend can (Hopper's sparse
+  // pass in the one-step loop: smem_plan::forward_ones), otherwise added up in the softmax. Not in the narrow
+  // loop: there it made ptxas spill more at 128 registers (16 -> 44 bytes) and measured 0.5-1.5% slower, where
+  // the loop of one width gained 3% (bench/NOTES.md, v15).
+  using row_sums = row_sums_by_product<M>;
+  constexpr bool matrix_sums = row_sums::value && !Narrow && smem_plan<D>::forward_ones(hopper_code, Sched::few_blocks);
+  uint16_t* const ones = sm + (2 * stages + 1) * 64 * D;
 
   const int64_t i = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int64_t bh = b * p.q_heads + h, hk = h / p.group;
@@ -114,8 +121,19 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
       load_kv(j, 0);
   }
   copy_commit();
+  if constexpr (matrix_sums) { // written once; the fence and the barrier below order them before the first product
+    static_assert(M::ones_bytes == smem_plan<D>::ones_bytes && M::ones_bytes / 16 <= nthreads, "block of ones");
+    if (tid < M::ones_bytes / 16) {
+      const uint32_t one = E::pack(1.f, 1.f);
+      reinterpret_cast<uint4*>(ones)[tid] = make_uint4(one, one, one, one);
+    }
+    stores_to_matrix_fence();
+  }
 
   float m[R], l[R];
+  typename row_sums::tile lsum; // the row sums where matrix_sums: slot r at x[2r]
+#pragma unroll
+  for (int e = 0; e < 4; ++e) lsum.x[e] = 0.f;
 #pragma unroll
   for (int r = 0; r < R; ++r) m[r] = -inf, l[r] = 0.f;
   typename M::out_tile o;
@@ -169,19 +187,26 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
     // bench/NOTES.md, v13). Elements e and e + 1 (e even) share a row and form one operand register in every
     // layout, so the rounding is exactly the pack's (ptxas does not merge the two packs: about 1.5 instructions
     // an element more, the v13 notes' forward cost).
+    // Where matrix_sums the P·V chain forms them instead, from the product's own rounding of P.
+    if constexpr (!matrix_sums) {
 #pragma unroll
-    for (int e = 0; e < n; e += 2) {
-      float lo, hi;
-      rounded_pair<E>(st.x[e], st.x[e + 1], lo, hi);
-      sum[M::elem_slot(e)] += lo + hi;
+      for (int e = 0; e < n; e += 2) {
+        float lo, hi;
+        rounded_pair<E>(st.x[e], st.x[e + 1], lo, hi);
+        sum[M::elem_slot(e)] += lo + hi;
+      }
+      // Each lane keeps a partial row sum; the lanes of a row agree on m, so one reduction at the end suffices.
+#pragma unroll
+      for (int r = 0; r < R; ++r) l[r] = l[r] * alpha[r] + sum[r];
     }
-    // Each lane keeps a partial row sum; the lanes of a row agree on m, so one reduction at the end suffices.
-#pragma unroll
-    for (int r = 0; r < R; ++r) l[r] = l[r] * alpha[r] + sum[r];
   };
   const auto rescale = [&](const float(&alpha)[R]) {
 #pragma unroll
     for (int e = 0; e < M::out_elems; ++e) o.x[e] *= alpha[M::elem_slot(e)];
+    if constexpr (matrix_sums) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) lsum.x[e] *= alpha[M::elem_slot(e)];
+    }
   };
 
 #if VSA_WGMMA
@@ -302,7 +327,11 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
         // would still be NaN.
         if (tma) vc.wait<D>(sv(0), kv, tid, nthreads, W);
 #endif
-        M::template nn<W>(o, st, sv(buf));
+        if constexpr (matrix_sums) {
+          M::template nn_sums<W>(o, lsum, st, sv(buf), ones);
+        } else {
+          M::template nn<W>(o, st, sv(buf));
+        }
       });
       j = j_next;
       j_next = j2;
@@ -329,7 +358,7 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
   const int64_t rows_total = s.rows_total();
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    const float total = M::row_sum(l[r]);
+    const float total = matrix_sums ? lsum.x[2 * r] : M::row_sum(l[r]);
     const int row = row0 + M::slot_row(r);
     const bool live = row < q_valid && total > 0.f;
     inv[r] = live ? 1.f / total : 0.f;

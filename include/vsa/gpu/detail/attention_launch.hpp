@@ -95,9 +95,9 @@ template <class E, int D, class Sched> status launch_backward(const backward_par
   bool hopper = false;
   status st = runs_as_hopper(dq, hopper);
   if (!st) return st;
-  const int smem = smem_plan<D>::backward_bytes(hopper);
+  const int smem = smem_plan<D>::backward_bytes(hopper), dkdv_smem = smem_plan<D>::dkdv_bytes(hopper);
   st = prepare(dq, smem);
-  if (st) st = prepare(dkdv, smem);
+  if (st) st = prepare(dkdv, dkdv_smem);
   if (!st) return st;
   const dim3 qgrid(static_cast<unsigned>(q_sched.tiles), static_cast<unsigned>(bp.q_heads),
                    static_cast<unsigned>(batch));
@@ -119,7 +119,7 @@ template <class E, int D, class Sched> status launch_backward(const backward_par
   const dim3 kgrid = bp.order != nullptr ? dim3(static_cast<unsigned>(k_sched.tiles * bp.kv_heads * batch))
                                          : dim3(static_cast<unsigned>(k_sched.tiles),
                                                 static_cast<unsigned>(bp.kv_heads), static_cast<unsigned>(batch));
-  dkdv<<<kgrid, 4 * M::threads, smem, stream>>>(b, k_sched);
+  dkdv<<<kgrid, 4 * M::threads, dkdv_smem, stream>>>(b, k_sched);
   return launch_status("attention backward (dk, dv)");
 }
 
