@@ -44,6 +44,7 @@ enum class errc : int {
   bad_argument,       // any other argument out of its domain (scale, epsilon, enum value)
   unsupported,        // the build has no kernel for this (no GPU platform compiled in)
   runtime_error,      // the GPU runtime reported an error
+  aliased,            // an output shares memory with another argument of the call
 };
 
 inline constexpr const char* errc_name(errc e) {
@@ -80,6 +81,8 @@ inline constexpr const char* errc_name(errc e) {
     return "unsupported";
   case errc::runtime_error:
     return "runtime_error";
+  case errc::aliased:
+    return "aliased";
   }
   return "unknown";
 }

@@ -7,6 +7,8 @@
 #include "types.hpp"
 
 #include <algorithm>
+#include <cstdint>
+#include <initializer_list>
 
 namespace vsa {
 
@@ -105,6 +107,105 @@ template <class Ptr> status check_tensor(const char* name, const basic_tensor<Pt
     if (x.batch_stride % vec != 0 || x.token_stride % vec != 0 || x.head_stride % vec != 0)
       return status::error(errc::misaligned_pointer, "%s: strides must be multiples of %lld elements (16 bytes)", name,
                            (long long)vec);
+  }
+  return status::ok();
+}
+
+// The memory an argument covers, for the aliasing checks (check_disjoint): its byte interval, and for a
+// tensor view also its exact element set, offsets Σ i_a·stride_a + c (i_a < extent_a, c < row) in elements of
+// `elem` bytes, so that views interleaved in one buffer (q, k and v of a packed qkv tensor, or dq, dk and dv
+// of its gradient) count as disjoint. An empty footprint (a null optional argument) overlaps nothing.
+struct footprint {
+  const char* name = "";
+  std::uintptr_t lo = 0, hi = 0; // [lo, hi)
+  int axes = 0;                  // 0: a plain buffer, the interval alone
+  int64_t stride[3] = {0, 0, 0}, extent[3] = {0, 0, 0}, row = 0, elem = 1;
+};
+
+// A [B, S, H, D] view that check_tensor accepted (the outer axes sorted by stride, axes of extent 1 dropped).
+template <class Ptr>
+footprint view_footprint(const char* name, const basic_tensor<Ptr>& x, const problem& p, int64_t heads) {
+  footprint f;
+  f.name = name;
+  if (x.data == nullptr) return f;
+  f.elem = static_cast<int64_t>(dtype_size(p.type));
+  f.row = p.head_dim;
+  const int64_t strides[3] = {x.batch_stride, x.token_stride, x.head_stride}, extents[3] = {p.batch, x.tokens, heads};
+  int64_t last = p.head_dim; // offset one past the last element
+  for (int a = 0; a < 3; ++a) {
+    last += (extents[a] - 1) * strides[a];
+    if (extents[a] <= 1) continue;
+    int at = f.axes++;
+    for (; at > 0 && f.stride[at - 1] > strides[a]; --at)
+      f.stride[at] = f.stride[at - 1], f.extent[at] = f.extent[at - 1];
+    f.stride[at] = strides[a];
+    f.extent[at] = extents[a];
+  }
+  f.lo = reinterpret_cast<std::uintptr_t>(x.data);
+  f.hi = f.lo + static_cast<std::uintptr_t>(last * f.elem);
+  return f;
+}
+inline footprint buffer_footprint(const char* name, const void* data, std::size_t bytes) {
+  footprint f;
+  f.name = name;
+  if (data == nullptr || bytes == 0) return f;
+  f.lo = reinterpret_cast<std::uintptr_t>(data);
+  f.hi = f.lo + bytes;
+  return f;
+}
+
+// The arrays of index lists as arguments of a call (the k2q ones only where the call reads them).
+struct list_footprints {
+  footprint q2k, count, k2q, offset;
+};
+inline list_footprints lists_footprint(const problem& p, const const_index_lists& idx, bool with_k2q) {
+  const int64_t n = tile_geometry(p.grid).num_tiles(), rows = p.batch * p.q_heads * n;
+  const std::size_t list_bytes = sizeof(int32_t) * static_cast<std::size_t>(rows * idx.q2k_capacity);
+  list_footprints f;
+  f.q2k = buffer_footprint("q2k", idx.q2k, list_bytes);
+  f.count = buffer_footprint("q2k_count", idx.q2k_count, sizeof(int32_t) * static_cast<std::size_t>(rows));
+  if (with_k2q) {
+    f.k2q = buffer_footprint("k2q", idx.k2q, list_bytes);
+    f.offset = buffer_footprint("k2q_offset", idx.k2q_offset,
+                                sizeof(int32_t) * static_cast<std::size_t>(p.batch * p.q_heads * (n + 1)));
+  }
+  return f;
+}
+
+namespace detail {
+// Whether r = Σ m_a·stride_a + c for some m_a in (-b.extent_a, a.extent_a) over axes < n and |c| < row: i.e.
+// whether element offset r of b's start is also an element of a (a and b of the same strides). Each stride is
+// at least the span of the axes below it in both views (check_tensor), so after axis n - 1 the residual must
+// be below its stride in magnitude: two candidates for m a level.
+inline bool offset_in_difference(const footprint& a, const footprint& b, int n, int64_t r) {
+  if (n == 0) return r > -a.row && r < a.row;
+  const int64_t s = a.stride[n - 1];
+  const int64_t m0 = r >= 0 ? r / s : -((-r + s - 1) / s); // floor(r / s)
+  for (int64_t m = m0; m <= m0 + 1; ++m)
+    if (m > -b.extent[n - 1] && m < a.extent[n - 1] && offset_in_difference(a, b, n - 1, r - m * s)) return true;
+  return false;
+}
+} // namespace detail
+
+inline bool overlaps(const footprint& a, const footprint& b) {
+  if (a.lo == a.hi || b.lo == b.hi || a.hi <= b.lo || b.hi <= a.lo) return false;
+  bool same_shape = a.axes > 0 && a.axes == b.axes && a.elem == b.elem && a.row == b.row;
+  for (int x = 0; same_shape && x < a.axes; ++x) same_shape = a.stride[x] == b.stride[x];
+  const int64_t bytes = static_cast<int64_t>(b.lo) - static_cast<int64_t>(a.lo);
+  if (!same_shape || bytes % a.elem != 0) return true; // the intervals meet: taken as overlapping
+  return detail::offset_in_difference(a, b, a.axes, bytes / a.elem);
+}
+
+// Every output against every other output and every input: an output written over memory the call still
+// reads (o over q, dq over d_o, scratch over a tensor) would make it read what it has already overwritten.
+// In-place use is not supported by any entry point.
+inline status check_disjoint(std::initializer_list<footprint> outputs, std::initializer_list<footprint> inputs) {
+  for (auto o = outputs.begin(); o != outputs.end(); ++o) {
+    for (auto x = o + 1; x != outputs.end(); ++x)
+      if (overlaps(*o, *x)) return status::error(errc::aliased, "%s and %s: outputs share memory", o->name, x->name);
+    for (const footprint& x : inputs)
+      if (overlaps(*o, x))
+        return status::error(errc::aliased, "%s: shares memory with %s, which the call reads", o->name, x.name);
   }
   return status::ok();
 }

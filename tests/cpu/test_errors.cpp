@@ -4,6 +4,7 @@
 
 #include <vsa/reference.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <string>
@@ -338,4 +339,112 @@ TEST_CASE("bad tensors, options and lists are rejected by name with outputs unto
   expect(reference::coarse_attention(p, w.scores.data(), w.v_c.data(), w.o_c.data(), nullptr,
                                      reinterpret_cast<float*>(reinterpret_cast<char*>(w.lse_c.data()) + 1)),
          errc::misaligned_pointer, "lse_c");
+}
+
+TEST_CASE("an output sharing memory with another argument is rejected by name, interleaved views are not",
+          "[cpu][errors]") {
+  VSA_TEST_RNG(g, "errors aliasing");
+  const problem p = make_problem({5, 6, 7}, 2, 4, 2, 8, dtype::fp16);
+  world w(p, g);
+  const std::vector<unsigned char> before = w.snapshot();
+  options opt;
+  opt.top_k = 3;
+  const auto forward_with = [&](const forward_io& io) {
+    std::size_t b = w.workspace_bytes;
+    return reference::forward(p, opt, io, w.workspace.data(), b);
+  };
+  const auto backward_with = [&](const backward_io& io) {
+    std::size_t b = w.workspace_bytes;
+    return reference::backward(p, opt, io, w.workspace.data(), b);
+  };
+  const auto expect = [&](const status& s, const char* output, const char* other) {
+    INFO(errc_name(s.code()) << ": " << s.message());
+    CHECK(s.code() == errc::aliased);
+    CHECK(test::mentions(s, output));
+    CHECK(test::mentions(s, other));
+    CHECK(w.snapshot() == before);
+  };
+  const auto shifted = [&](tensor t, const void* base, int64_t elements) {
+    t.data = static_cast<char*>(const_cast<void*>(base)) + elements * static_cast<int64_t>(dtype_size(p.type));
+    return t;
+  };
+
+  // The forward: o over q, o overlapping k by one token, o inside the workspace (the op's state).
+  forward_io io = w.fwd();
+  io.o = shifted(io.o, w.q.data(), 0);
+  expect(forward_with(io), "o", "q");
+  io = w.fwd();
+  io.o = shifted(io.o, w.q.data(), w.q.cview().token_stride); // all but q's first token row
+  expect(forward_with(io), "o", "q");
+  io = w.fwd();
+  io.k.data = w.o.data(); // an input read from inside the output
+  expect(forward_with(io), "o", "k");
+  io = w.fwd();
+  io.o = shifted(io.o, w.workspace.data(), 0);
+  expect(forward_with(io), "o", "state");
+  // The backward: an output over an input, two outputs over each other, an output over the gate.
+  backward_io bio = w.bwd();
+  bio.dq = shifted(bio.dq, w.d_o.data(), 0);
+  expect(backward_with(bio), "dq", "d_o");
+  bio = w.bwd();
+  bio.dv = shifted(bio.dv, w.dk.data(), 0);
+  expect(backward_with(bio), "dk", "dv");
+  bio = w.bwd();
+  bio.dgate = shifted(bio.dgate, w.gate.data(), 0);
+  expect(backward_with(bio), "dgate", "gate");
+  // The sparse stage: lse over o_s, dk over v.
+  const const_index_lists lists = as_const(w.lists());
+  expect(reference::sparse_attention_forward(p, 0.5f, w.q.cview(), w.k.cview(), w.v.cview(), lists, w.o.view(),
+                                             reinterpret_cast<float*>(w.o.data())),
+         "o_s", "lse");
+  expect(reference::sparse_attention_backward(p, 0.5f, w.q.cview(), w.k.cview(), w.v.cview(), w.o.cview(),
+                                              w.d_o.cview(), w.lse.data(), lists, w.dq.view(),
+                                              shifted(w.dk.view(), w.v.data(), 0), w.dv.view()),
+         "dk", "v");
+
+  // q, k, v interleaved in one packed [B, S, Hq + 2·Hk, D] buffer and dq, dk, dv in another, as a framework's
+  // fused projection gives them: accepted, and the gradients are those of separate tensors.
+  const int64_t hq = p.q_heads, hk = p.kv_heads, d = p.head_dim;
+  host_tensor qkv(p.type, p.batch, w.slots, hq + 2 * hk, d), grads(p.type, p.batch, w.slots, hq + 2 * hk, d);
+  grads.fill_byte(test::poison_byte);
+  const auto part = [&](host_tensor& t, int64_t head0) { return shifted(t.view(), t.data(), head0 * d); };
+  tensor pq = part(qkv, 0), pk = part(qkv, hq), pv = part(qkv, hq + hk);
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t s = 0; s < w.slots; ++s)
+      for (int64_t c = 0; c < d; ++c) {
+        for (int64_t h = 0; h < hq; ++h) qkv.set(b, s, h, c, w.q.get(b, s, h, c));
+        for (int64_t h = 0; h < hk; ++h) {
+          qkv.set(b, s, hq + h, c, w.k.get(b, s, h, c));
+          qkv.set(b, s, hq + hk + h, c, w.v.get(b, s, h, c));
+        }
+      }
+  pq.tokens = pk.tokens = pv.tokens = w.slots;
+  forward_io packed{as_const(pq), as_const(pk), as_const(pv), w.gate.cview(), w.o.view()};
+  REQUIRE(forward_with(packed).is_ok());
+  backward_io pb{as_const(pq),  as_const(pk),   as_const(pv),    w.gate.cview(),       w.o.cview(),
+                 w.d_o.cview(), part(grads, 0), part(grads, hq), part(grads, hq + hk), w.dgate.view()};
+  {
+    // The same interleaving one head off: dk's first head is dq's last. Disjoint intervals are not required,
+    // disjoint elements are.
+    backward_io off = pb;
+    off.dk = part(grads, hq - 1);
+    const status s = backward_with(off);
+    INFO(s.message());
+    CHECK(s.code() == errc::aliased);
+    CHECK(test::mentions(s, "dq"));
+    CHECK(test::mentions(s, "dk"));
+    CHECK(std::all_of(grads.bytes.begin(), grads.bytes.end(), [](unsigned char c) { return c == test::poison_byte; }));
+  }
+  REQUIRE(backward_with(pb).is_ok());
+  REQUIRE(forward_with(w.fwd()).is_ok());
+  REQUIRE(backward_with(w.bwd()).is_ok());
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t s = 0; s < w.slots; ++s)
+      for (int64_t c = 0; c < d; ++c) {
+        for (int64_t h = 0; h < hq; ++h) REQUIRE(grads.get(b, s, h, c) == w.dq.get(b, s, h, c));
+        for (int64_t h = 0; h < hk; ++h) {
+          REQUIRE(grads.get(b, s, hq + h, c) == w.dk.get(b, s, h, c));
+          REQUIRE(grads.get(b, s, hq + hk + h, c) == w.dv.get(b, s, h, c));
+        }
+      }
 }

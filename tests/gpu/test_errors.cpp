@@ -424,12 +424,16 @@ TEST_CASE("sparse_attention_forward rejects bad arguments untouched", "[gpu][err
   const entry_point call = [](arguments& a) {
     return sparse_attention_forward(a.p, a.scale, a.q, a.k, a.v, as_const(a.idx), a.o_s, a.lse, nullptr);
   };
+  const std::vector<bad_case> aliasing = {
+      {"o_s over q", [](arguments& a) { a.o_s.data = a.q.data; }, errc::aliased, "o_s", true},
+      {"lse over o_s", [](arguments& a) { a.lse = static_cast<float*>(a.o_s.data); }, errc::aliased, "lse", false},
+  };
   run_cases(call,
             join(problem_cases(), scale_cases(&arguments::scale), tensor_cases("q", &arguments::q),
                  tensor_cases("k", &arguments::k), tensor_cases("v", &arguments::v),
                  tensor_cases("o_s", &arguments::o_s), pointer_cases("lse", &arguments::lse),
                  list_cases("q2k", &index_lists::q2k), list_cases("q2k_count", &index_lists::q2k_count),
-                 capacity_cases(tiles_of_default())),
+                 capacity_cases(tiles_of_default()), aliasing),
             false);
 }
 
@@ -437,6 +441,11 @@ TEST_CASE("sparse_attention_backward rejects bad arguments untouched", "[gpu][er
   const entry_point call = [](arguments& a) {
     return sparse_attention_backward(a.p, a.scale, a.q, a.k, a.v, a.o_s, a.d_o, a.lse, as_const(a.idx), a.dq, a.dk,
                                      a.dv, a.workspace, a.workspace_bytes, nullptr);
+  };
+  const std::vector<bad_case> aliasing = {
+      {"dq over d_o", [](arguments& a) { a.dq.data = a.d_o.data; }, errc::aliased, "dq", true},
+      {"dv over dk", [](arguments& a) { a.dv.data = a.dk.data; }, errc::aliased, "dk and dv", false},
+      {"k inside dv", [](arguments& a) { a.k.data = a.dv.data; }, errc::aliased, "dv", true},
   };
   run_cases(call,
             join(problem_cases(), scale_cases(&arguments::scale), tensor_cases("q", &arguments::q),
@@ -446,7 +455,7 @@ TEST_CASE("sparse_attention_backward rejects bad arguments untouched", "[gpu][er
                  tensor_cases("dv", &arguments::dv), pointer_cases("lse", &arguments::lse),
                  list_cases("q2k", &index_lists::q2k), list_cases("q2k_count", &index_lists::q2k_count),
                  list_cases("k2q", &index_lists::k2q), list_cases("k2q_offset", &index_lists::k2q_offset),
-                 capacity_cases(tiles_of_default()), workspace_cases()),
+                 capacity_cases(tiles_of_default()), workspace_cases(), aliasing),
             true);
 }
 
@@ -584,7 +593,12 @@ TEST_CASE("forward rejects bad arguments untouched", "[gpu][errors]") {
   std::vector<bad_case> all =
       join(problem_cases(), option_cases(tiles_of_default()), tensor_cases("q", &arguments::q),
            tensor_cases("k", &arguments::k), tensor_cases("v", &arguments::v), tensor_cases("o", &arguments::o),
-           tensor_cases("gate", &arguments::gate), workspace_cases());
+           tensor_cases("gate", &arguments::gate), workspace_cases(),
+           std::vector<bad_case>{
+               {"o over q", [](arguments& a) { a.o.data = a.q.data; }, errc::aliased, "o", true},
+               {"k inside o", [](arguments& a) { a.k.data = a.o.data; }, errc::aliased, "o", true},
+               {"o over the workspace", [](arguments& a) { a.o.data = a.workspace; }, errc::aliased, "state", false},
+           });
   std::vector<bad_case> kept; // a null gate is valid (g = 1)
   for (auto& c : all)
     if (c.name != "gate null") kept.push_back(c);
@@ -606,7 +620,13 @@ TEST_CASE("backward rejects bad arguments untouched", "[gpu][errors]") {
            tensor_cases("k", &arguments::k), tensor_cases("v", &arguments::v), tensor_cases("o", &arguments::o),
            tensor_cases("d_o", &arguments::d_o), tensor_cases("dq", &arguments::dq), tensor_cases("dk", &arguments::dk),
            tensor_cases("dv", &arguments::dv), tensor_cases("gate", &arguments::gate),
-           tensor_cases("dgate", &arguments::dgate), pair, workspace_cases());
+           tensor_cases("dgate", &arguments::dgate), pair, workspace_cases(),
+           std::vector<bad_case>{
+               {"dq over d_o", [](arguments& a) { a.dq.data = a.d_o.data; }, errc::aliased, "dq", true},
+               {"dk over dv", [](arguments& a) { a.dk.data = a.dv.data; }, errc::aliased, "dk and dv", false},
+               {"dgate over the gate", [](arguments& a) { a.dgate.data = a.gate.data; }, errc::aliased, "dgate", true},
+               {"dv over the workspace", [](arguments& a) { a.dv.data = a.workspace; }, errc::aliased, "dv", false},
+           });
   std::vector<bad_case> kept; // the null gate and dgate cases are the pair cases above
   for (auto& c : all)
     if (c.name != "gate null" && c.name != "dgate null") kept.push_back(c);
