@@ -298,8 +298,8 @@ template <class E, int D> struct warpgroup_mma : warp_mma<E, D> {
   // matrix.hpp): the tensor cores start the second chain while the first drains, where nt and nn each wait for
   // their own. nt_pair writes s1 = a1 · b1ᵀ and s2 = a2 · b2ᵀ (no zeros needed); nn_pair adds p1 · c1 to o1 and
   // p2 · c2 to o2, both P rounded to E before the fence. nt_pair<W> writes the first W columns only (as nt<W>).
-  // Head dim 128 only: at D = 64 the order a pair needs in dq (both tiles waited for first) measured 1.06x
-  // slower on the H200, and D = 64 keeps the order before pairs (bench/NOTES.md, v15).
+  // Head dim 128 only: at D = 64 the order a pair needs in dq (both tiles waited for first) measured 3% slower
+  // on the H200, and D = 64 keeps the order before pairs (bench/NOTES.md, v15).
   static constexpr bool one_group_pairs = D == 128;
   template <int W = tile_rows> __device__ __forceinline__ static void
   nt_pair(score_tile& s1, smem_tile<D> a1, smem_tile<D> b1, score_tile& s2, smem_tile<D> a2, smem_tile<D> b2) {

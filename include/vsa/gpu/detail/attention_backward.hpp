@@ -159,7 +159,7 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads))
       for (int e = 0; e < n; ++e) st.x[e] = 0.f, dp.x[e] = 0.f;
       // dPᵀ and S. Where the backend pairs products (one_group_pairs: Hopper at D = 128) both tiles are waited
       // for first and the two products share one wait, V refilled after both; otherwise V is refilled as soon
-      // as dPᵀ has read it, before K is waited for (at D = 64 the pair's order measured 1.06x slower,
+      // as dPᵀ has read it, before K is waited for (at D = 64 the pair's order measured 3% slower,
       // bench/NOTES.md v15). The dense pass reads its scores instead of forming S.
       constexpr bool paired = one_group_pairs<M>::value && products_s;
       // Both tiles' padding rows among the W the products read are zeroed on the copy-engine path: at a padded
