@@ -210,6 +210,57 @@ inline status check_disjoint(std::initializer_list<footprint> outputs, std::init
   return status::ok();
 }
 
+// The aliasing checks of the whole op's passes and of the sparse stage, one list of arguments each for the GPU
+// entry points and the reference: `state` and `scratch` with the bytes the pass uses, `lists` the caller's q2k
+// lists (empty where the op selects its own), `workspace` the sparse backward's (null for the reference, which
+// takes none), k2q read where `with_k2q`.
+inline status check_forward_disjoint(const problem& p, const forward_io& io, const void* state, std::size_t state_bytes,
+                                     const void* scratch, std::size_t scratch_bytes, const const_index_lists& lists) {
+  const list_footprints l = lists_footprint(p, lists, false);
+  return check_disjoint({view_footprint("o", io.o, p, p.q_heads), buffer_footprint("state", state, state_bytes),
+                         buffer_footprint("scratch", scratch, scratch_bytes)},
+                        {view_footprint("q", io.q, p, p.q_heads), view_footprint("k", io.k, p, p.kv_heads),
+                         view_footprint("v", io.v, p, p.kv_heads), view_footprint("gate", io.gate, p, p.q_heads), l.q2k,
+                         l.count});
+}
+inline status check_backward_disjoint(const problem& p, const backward_io& io, const void* state,
+                                      std::size_t state_bytes, const void* scratch, std::size_t scratch_bytes,
+                                      const const_index_lists& lists) {
+  const list_footprints l = lists_footprint(p, lists, false);
+  return check_disjoint({view_footprint("dq", io.dq, p, p.q_heads), view_footprint("dk", io.dk, p, p.kv_heads),
+                         view_footprint("dv", io.dv, p, p.kv_heads), view_footprint("dgate", io.dgate, p, p.q_heads),
+                         buffer_footprint("scratch", scratch, scratch_bytes)},
+                        {view_footprint("q", io.q, p, p.q_heads), view_footprint("k", io.k, p, p.kv_heads),
+                         view_footprint("v", io.v, p, p.kv_heads), view_footprint("gate", io.gate, p, p.q_heads),
+                         view_footprint("o", io.o, p, p.q_heads), view_footprint("d_o", io.d_o, p, p.q_heads),
+                         buffer_footprint("state", state, state_bytes), l.q2k, l.count});
+}
+inline std::size_t lse_bytes(const problem& p) {
+  return sizeof(float) * static_cast<std::size_t>(p.batch * p.q_heads * tile_geometry(p.grid).tiled_tokens());
+}
+inline status check_sparse_forward_disjoint(const problem& p, const const_tensor& q, const const_tensor& k,
+                                            const const_tensor& v, const const_index_lists& idx, const tensor& o_s,
+                                            const float* lse) {
+  const list_footprints l = lists_footprint(p, idx, false);
+  return check_disjoint({view_footprint("o_s", o_s, p, p.q_heads), buffer_footprint("lse", lse, lse_bytes(p))},
+                        {view_footprint("q", q, p, p.q_heads), view_footprint("k", k, p, p.kv_heads),
+                         view_footprint("v", v, p, p.kv_heads), l.q2k, l.count});
+}
+inline status check_sparse_backward_disjoint(const problem& p, const const_tensor& q, const const_tensor& k,
+                                             const const_tensor& v, const const_tensor& o_s, const const_tensor& d_o,
+                                             const float* lse, const const_index_lists& idx, bool with_k2q,
+                                             const tensor& dq, const tensor& dk, const tensor& dv,
+                                             const void* workspace, std::size_t workspace_bytes) {
+  const list_footprints l = lists_footprint(p, idx, with_k2q);
+  return check_disjoint({view_footprint("dq", dq, p, p.q_heads), view_footprint("dk", dk, p, p.kv_heads),
+                         view_footprint("dv", dv, p, p.kv_heads),
+                         buffer_footprint("workspace", workspace, workspace_bytes)},
+                        {view_footprint("q", q, p, p.q_heads), view_footprint("k", k, p, p.kv_heads),
+                         view_footprint("v", v, p, p.kv_heads), view_footprint("o_s", o_s, p, p.q_heads),
+                         view_footprint("d_o", d_o, p, p.q_heads), buffer_footprint("lse", lse, lse_bytes(p)), l.q2k,
+                         l.count, l.k2q, l.offset});
+}
+
 // A plain pointer argument (index lists, statistics, coarse tensors).
 template <class T> status check_pointer(const char* name, T* ptr, std::size_t align) {
   if (ptr == nullptr) return status::error(errc::null_pointer, "%s: pointer is null", name);

@@ -188,12 +188,8 @@ inline status forward_planned(const problem& p, const options& opt, const op_wor
   if (s && !w.coarse) s = detail::check_lists(p, opt.q2k, false);
   if (s) s = detail::check_buffers(buffers, w.state_bytes, w.forward_scratch_bytes);
   if (s) {
-    const auto lists = lists_footprint(p, w.coarse ? const_index_lists{} : opt.q2k, false);
-    s = check_disjoint({view_footprint("o", io.o, p, p.q_heads), buffer_footprint("state", state, w.state_bytes),
-                        buffer_footprint("scratch", scratch, w.forward_scratch_bytes)},
-                       {view_footprint("q", io.q, p, p.q_heads), view_footprint("k", io.k, p, p.kv_heads),
-                        view_footprint("v", io.v, p, p.kv_heads), view_footprint("gate", io.gate, p, p.q_heads),
-                        lists.q2k, lists.count});
+    s = check_forward_disjoint(p, io, state, w.state_bytes, scratch, w.forward_scratch_bytes,
+                               w.coarse ? const_index_lists{} : opt.q2k);
   }
   if (!s) return s;
 
@@ -311,14 +307,8 @@ inline status backward_planned(const problem& p, const options& opt, const op_wo
   if (s && !w.coarse) s = detail::check_lists(p, opt.q2k, false);
   if (s) s = detail::check_buffers(buffers, w.state_bytes, w.backward_scratch_bytes);
   if (s) {
-    const auto lists = lists_footprint(p, w.coarse ? const_index_lists{} : opt.q2k, false);
-    s = check_disjoint({view_footprint("dq", io.dq, p, p.q_heads), view_footprint("dk", io.dk, p, p.kv_heads),
-                        view_footprint("dv", io.dv, p, p.kv_heads), view_footprint("dgate", io.dgate, p, p.q_heads),
-                        buffer_footprint("scratch", scratch, w.backward_scratch_bytes)},
-                       {view_footprint("q", io.q, p, p.q_heads), view_footprint("k", io.k, p, p.kv_heads),
-                        view_footprint("v", io.v, p, p.kv_heads), view_footprint("gate", io.gate, p, p.q_heads),
-                        view_footprint("o", io.o, p, p.q_heads), view_footprint("d_o", io.d_o, p, p.q_heads),
-                        buffer_footprint("state", state, w.state_bytes), lists.q2k, lists.count});
+    s = check_backward_disjoint(p, io, state, w.state_bytes, scratch, w.backward_scratch_bytes,
+                                w.coarse ? const_index_lists{} : opt.q2k);
   }
   if (!s) return s;
 

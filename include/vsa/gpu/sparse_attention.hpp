@@ -55,12 +55,7 @@ inline status sparse_attention_forward(const problem& p, float scale, const_tens
   if (s) s = check_pointer("lse", lse, 4);
   if (s) s = detail::check_lists(p, idx, false);
   if (s) {
-    const auto lists = lists_footprint(p, idx, false);
-    s = check_disjoint(
-        {view_footprint("o_s", o_s, p, p.q_heads),
-         buffer_footprint("lse", lse, sizeof(float) * static_cast<std::size_t>(p.q_heads * p.batch * tokens))},
-        {view_footprint("q", q, p, p.q_heads), view_footprint("k", k, p, p.kv_heads),
-         view_footprint("v", v, p, p.kv_heads), lists.q2k, lists.count});
+    s = check_sparse_forward_disjoint(p, q, k, v, idx, o_s, lse);
   }
   if (!s) return s;
   gpu::detail::forward_params fp{};
@@ -142,15 +137,7 @@ inline status sparse_attention_backward(const problem& p, float scale, const_ten
   if (s) s = detail::check_lists(p, idx, true);
   if (s) s = check_workspace(workspace, workspace_bytes, need);
   if (s) {
-    const auto lists = lists_footprint(p, idx, true);
-    s = check_disjoint(
-        {view_footprint("dq", dq, p, p.q_heads), view_footprint("dk", dk, p, p.kv_heads),
-         view_footprint("dv", dv, p, p.kv_heads), buffer_footprint("workspace", workspace, need)},
-        {view_footprint("q", q, p, p.q_heads), view_footprint("k", k, p, p.kv_heads),
-         view_footprint("v", v, p, p.kv_heads), view_footprint("o_s", o_s, p, p.q_heads),
-         view_footprint("d_o", d_o, p, p.q_heads),
-         buffer_footprint("lse", lse, sizeof(float) * static_cast<std::size_t>(p.q_heads * p.batch * tokens)),
-         lists.q2k, lists.count, lists.k2q, lists.offset});
+    s = check_sparse_backward_disjoint(p, q, k, v, o_s, d_o, lse, idx, true, dq, dk, dv, workspace, need);
   }
   if (!s) return s;
 

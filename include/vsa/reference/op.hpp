@@ -212,17 +212,9 @@ inline status forward_impl(const problem& p, const options& opt, const forward_i
   if (!(s = detail::check_tiled("o", io.o, p, p.q_heads))) return s;
   if (!(s = detail::check_gate(p, io.gate, nullptr, false))) return s;
   if (!(s = detail::check_buffers(layout, buffers, layout.forward_scratch))) return s;
-  const auto lists = lists_footprint(p,
-                                     chosen != nullptr ? *chosen
-                                     : plan.coarse     ? const_index_lists{}
-                                                       : opt.q2k,
-                                     false);
-  if (!(s = check_disjoint({view_footprint("o", io.o, p, p.q_heads),
-                            buffer_footprint("state", buffers.state, layout.state_bytes),
-                            buffer_footprint("scratch", buffers.scratch, layout.forward_scratch)},
-                           {view_footprint("q", io.q, p, p.q_heads), view_footprint("k", io.k, p, p.kv_heads),
-                            view_footprint("v", io.v, p, p.kv_heads), view_footprint("gate", io.gate, p, p.q_heads),
-                            lists.q2k, lists.count})))
+  const const_index_lists lists = chosen != nullptr ? *chosen : plan.coarse ? const_index_lists{} : opt.q2k;
+  if (!(s = check_forward_disjoint(p, io, buffers.state, layout.state_bytes, buffers.scratch, layout.forward_scratch,
+                                   lists)))
     return s;
   return detail::guarded("forward", [&]() {
     void* const st = buffers.state;
@@ -355,14 +347,8 @@ inline status backward(const problem& p, const options& opt, const backward_io& 
   if (!(s = detail::check_gate(p, io.gate, io.dgate.data, true))) return s;
   if (io.dgate.data != nullptr && !(s = detail::check_tiled("dgate", io.dgate, p, p.q_heads))) return s;
   if (!(s = detail::check_buffers(layout, buffers, layout.backward_scratch))) return s;
-  const auto lists = lists_footprint(p, plan.coarse ? const_index_lists{} : opt.q2k, false);
-  if (!(s = check_disjoint({view_footprint("dq", io.dq, p, p.q_heads), view_footprint("dk", io.dk, p, p.kv_heads),
-                            view_footprint("dv", io.dv, p, p.kv_heads), view_footprint("dgate", io.dgate, p, p.q_heads),
-                            buffer_footprint("scratch", buffers.scratch, layout.backward_scratch)},
-                           {view_footprint("q", io.q, p, p.q_heads), view_footprint("k", io.k, p, p.kv_heads),
-                            view_footprint("v", io.v, p, p.kv_heads), view_footprint("gate", io.gate, p, p.q_heads),
-                            view_footprint("o", io.o, p, p.q_heads), view_footprint("d_o", io.d_o, p, p.q_heads),
-                            buffer_footprint("state", buffers.state, layout.state_bytes), lists.q2k, lists.count})))
+  if (!(s = check_backward_disjoint(p, io, buffers.state, layout.state_bytes, buffers.scratch, layout.backward_scratch,
+                                    plan.coarse ? const_index_lists{} : opt.q2k)))
     return s;
   return detail::guarded("backward", [&]() {
     void* const st = buffers.state;

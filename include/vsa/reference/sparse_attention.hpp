@@ -141,13 +141,7 @@ inline status sparse_attention_forward(const problem& p, float scale, const_tens
   if (!s) return s;
   if (!(s = detail::check_tiled("o_s", o_s, p, p.q_heads))) return s;
   if (!(s = detail::check_array("lse", lse))) return s;
-  const int64_t rows = p.batch * p.q_heads * tile_geometry(p.grid).tiled_tokens();
-  const auto lists = lists_footprint(p, idx, false);
-  if (!(s = check_disjoint({view_footprint("o_s", o_s, p, p.q_heads),
-                            buffer_footprint("lse", lse, sizeof(float) * static_cast<std::size_t>(rows))},
-                           {view_footprint("q", q, p, p.q_heads), view_footprint("k", k, p, p.kv_heads),
-                            view_footprint("v", v, p, p.kv_heads), lists.q2k, lists.count})))
-    return s;
+  if (!(s = check_sparse_forward_disjoint(p, q, k, v, idx, o_s, lse))) return s;
   return detail::guarded("sparse_attention_forward", [&]() {
     const int64_t slots = tile_geometry(p.grid).tiled_tokens();
     const int64_t q_size = p.batch * p.q_heads * slots * p.head_dim, k_size = p.batch * p.kv_heads * slots * p.head_dim;
@@ -173,16 +167,7 @@ inline status sparse_attention_backward(const problem& p, float scale, const_ten
   if (!(s = detail::check_tiled("dq", dq, p, p.q_heads))) return s;
   if (!(s = detail::check_tiled("dk", dk, p, p.kv_heads))) return s;
   if (!(s = detail::check_tiled("dv", dv, p, p.kv_heads))) return s;
-  const int64_t rows = p.batch * p.q_heads * tile_geometry(p.grid).tiled_tokens();
-  const auto lists = lists_footprint(p, idx, false);
-  if (!(s = check_disjoint({view_footprint("dq", dq, p, p.q_heads), view_footprint("dk", dk, p, p.kv_heads),
-                            view_footprint("dv", dv, p, p.kv_heads)},
-                           {view_footprint("q", q, p, p.q_heads), view_footprint("k", k, p, p.kv_heads),
-                            view_footprint("v", v, p, p.kv_heads), view_footprint("o_s", o_s, p, p.q_heads),
-                            view_footprint("d_o", d_o, p, p.q_heads),
-                            buffer_footprint("lse", lse, sizeof(float) * static_cast<std::size_t>(rows)), lists.q2k,
-                            lists.count})))
-    return s;
+  if (!(s = check_sparse_backward_disjoint(p, q, k, v, o_s, d_o, lse, idx, false, dq, dk, dv, nullptr, 0))) return s;
   return detail::guarded("sparse_attention_backward", [&]() {
     const int64_t slots = tile_geometry(p.grid).tiled_tokens();
     const int64_t q_size = p.batch * p.q_heads * slots * p.head_dim, k_size = p.batch * p.kv_heads * slots * p.head_dim;
