@@ -1,5 +1,5 @@
 // The shuffle reductions of the linear-attention kernels whose lanes depend on the warp size
-// (include/vsa/gpu/detail/linear_attention_kernels.hpp), replayed on the host with the lane arithmetic they
+// (include/vsa/gpu/detail/linear/common.hpp and features.hpp), replayed on the host with the lane arithmetic they
 // take from include/vsa/gpu/arch/wave_reduce.hpp, for 32-lane warps and 64-lane wavefronts alike:
 //   block_max   a butterfly over the whole warp, then one partial per warp through shared memory folded in
 //               slot order, or nothing more for a block of a single wavefront (AMD with D = 64);
