@@ -7,6 +7,7 @@
 #include "types.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <initializer_list>
 
@@ -32,6 +33,17 @@ inline int64_t checked_mul(int64_t a, int64_t b) {
   if (a < 0 || b < 0) return -1;
   if (a != 0 && b > size_limit / a) return -1;
   return a * b;
+}
+
+// The softmax scale the whole op uses: options.scale, or 1/sqrt(head_dim) when it is 0. Stages take the
+// resolved value and reject anything that is not positive and finite.
+inline float resolve_scale(const problem& p, const options& opt) {
+  return opt.scale != 0.0f ? opt.scale : 1.0f / std::sqrt(static_cast<float>(p.head_dim));
+}
+inline status check_scale(float scale) {
+  if (!(scale > 0.0f) || !std::isfinite(scale))
+    return status::error(errc::bad_argument, "scale: must be positive and finite, got %g", static_cast<double>(scale));
+  return status::ok();
 }
 
 } // namespace detail
@@ -274,8 +286,8 @@ template <class T> status check_pointer(const char* name, T* ptr, std::size_t al
 inline status check_buffer(const char* name, const void* buffer, std::size_t given, std::size_t needed) {
   if (needed == 0) return status::ok();
   if (buffer == nullptr) return status::error(errc::bad_workspace, "%s: null, %zu bytes needed", name, needed);
-  if (reinterpret_cast<std::uintptr_t>(buffer) % 256 != 0)
-    return status::error(errc::misaligned_pointer, "%s: must be 256-byte aligned", name);
+  if (reinterpret_cast<std::uintptr_t>(buffer) % detail::workspace_alignment != 0)
+    return status::error(errc::misaligned_pointer, "%s: must be %d-byte aligned", name, detail::workspace_alignment);
   if (given < needed) return status::error(errc::bad_workspace, "%s: %zu bytes given, %zu needed", name, given, needed);
   return status::ok();
 }

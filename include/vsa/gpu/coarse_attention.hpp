@@ -7,17 +7,12 @@
 // N×N probabilities.
 #pragma once
 
+#include "detail/attention_glue.hpp"
 #include "detail/coarse_scores.hpp"
-#include "sparse_attention.hpp"
 
 namespace vsa {
 
 namespace detail {
-
-inline gpu::detail::dense_schedule means_schedule(const problem& p) {
-  const int64_t n = tile_geometry(p.grid).num_tiles();
-  return {n, (n + 63) / 64};
-}
 
 inline status check_means(const char* name, const void* ptr) { return check_pointer(name, ptr, 16); }
 
@@ -35,7 +30,8 @@ inline status coarse_scores(const problem& p, float scale, const float* q_c, con
   if (s) s = check_pointer("scores", scores, 8);
   if (!s) return s;
   namespace gd = gpu::detail;
-  const int64_t n = tile_geometry(p.grid).num_tiles(), blocks = (n + 63) / 64;
+  const auto sched = detail::means_schedule(p);
+  const int64_t n = sched.length, blocks = sched.tiles;
   const gd::coarse_scores_params cp{q_c, k_c, scores, p.q_heads, p.q_heads / p.kv_heads, n, scale};
   const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(blocks),
                   static_cast<unsigned>(p.batch * p.q_heads));
@@ -63,20 +59,12 @@ inline status coarse_attention(const problem& p, const float* scores, const void
   if (!s) return s;
   const auto sched = detail::means_schedule(p);
   const int64_t n = sched.length;
-  gpu::detail::forward_params fp{};
+  // The scores are scaled: the forward takes no scale of its own.
+  gpu::detail::forward_params fp = detail::forward_base(p, 1.f, lse_c, scores);
   fp.v = gpu::detail::make_dense_operand(v_c, p.kv_heads, n, p.head_dim);
   fp.o = gpu::detail::make_dense_operand(o_c, p.q_heads, n, p.head_dim);
-  fp.lse = lse_c;
   fp.o_residual = o_c_residual;
-  fp.scores = scores;
-  fp.q_heads = p.q_heads;
-  fp.group = p.q_heads / p.kv_heads;
-  fp.scale = 1.f; // the scores are scaled
-  fp.scale_log2 = log2_e;
-  return gpu::detail::dispatch(p.type, p.head_dim, [&](auto cfg) {
-    using C = decltype(cfg);
-    return gpu::detail::launch_forward<typename C::element, C::head_dim>(fp, sched, p.batch, p.q_heads, stream);
-  });
+  return detail::run_forward(p, fp, sched, stream);
 }
 
 inline std::size_t coarse_attention_backward_workspace(const problem& p) {
@@ -116,18 +104,14 @@ inline status coarse_attention_backward(const problem& p, float scale, const voi
   const auto sched = detail::means_schedule(p);
   const int64_t n = sched.length;
   float* delta = static_cast<float*>(workspace);
-  gpu::detail::delta_params dp{};
-  dp.o = gpu::detail::make_dense_operand(o_c, p.q_heads, n, p.head_dim);
-  dp.d_o = gpu::detail::make_dense_operand(d_o_c, p.q_heads, n, p.head_dim);
-  dp.gate = {nullptr, 0, 0, 0};
-  dp.o_c = nullptr;
+  gpu::detail::delta_params dp =
+      detail::delta_base(p, gpu::detail::make_dense_operand(o_c, p.q_heads, n, p.head_dim),
+                         gpu::detail::make_dense_operand(d_o_c, p.q_heads, n, p.head_dim), sched);
   dp.o_residual = o_c_residual;
   dp.delta = delta;
-  dp.q_heads = p.q_heads;
-  dp.rows_total = n;
-  dp.tiles = sched.tiles;
 
-  gpu::detail::backward_params bp{};
+  // The scores are scaled: scale only scales dq_c and dk_c.
+  gpu::detail::backward_params bp = detail::backward_base(p, scale, lse_c, scores);
   bp.q = gpu::detail::make_dense_operand(q_c, p.q_heads, n, p.head_dim);
   bp.k = gpu::detail::make_dense_operand(k_c, p.kv_heads, n, p.head_dim);
   bp.v = gpu::detail::make_dense_operand(v_c, p.kv_heads, n, p.head_dim);
@@ -135,21 +119,8 @@ inline status coarse_attention_backward(const problem& p, float scale, const voi
   bp.dq_f32 = dq_c;
   bp.dk_f32 = dk_c;
   bp.dv_f32 = dv_c;
-  bp.lse = lse_c;
   bp.delta = delta;
-  bp.scores = scores;
-  bp.q_heads = p.q_heads;
-  bp.kv_heads = p.kv_heads;
-  bp.group = p.q_heads / p.kv_heads;
-  bp.scale = scale;
-  bp.scale_log2 = log2_e; // the scores are scaled
-  return gpu::detail::dispatch(p.type, p.head_dim, [&](auto cfg) {
-    using C = decltype(cfg);
-    using E = typename C::element;
-    status st = gpu::detail::launch_delta<E, C::head_dim>(dp, sched, p.batch, stream);
-    if (!st) return st;
-    return gpu::detail::launch_backward<E, C::head_dim>(bp, sched, sched, p.batch, stream);
-  });
+  return detail::run_backward(p, dp, bp, sched, sched, stream);
 }
 
 } // namespace vsa

@@ -16,11 +16,14 @@
 #pragma once
 
 #include "block_means.hpp"
+// The sparse stage first: its kernels are instantiated, and so emitted, before the coarse pass's, in the order
+// the generated code has always had (which keeps it comparable across changes of the host code).
+#include "sparse_attention.hpp"
 #include "coarse_attention.hpp"
 #include "combine.hpp"
+#include "detail/attention_glue.hpp"
 #include "index.hpp"
 #include "select.hpp"
-#include "sparse_attention.hpp"
 
 namespace vsa {
 
@@ -151,10 +154,6 @@ inline status check_buffers(const op_buffers& b, std::size_t state_bytes, std::s
   return s;
 }
 
-inline float resolve_scale(const problem& p, const options& opt) {
-  return opt.scale != 0.f ? opt.scale : 1.f / std::sqrt(static_cast<float>(p.head_dim));
-}
-
 inline status check_gate(const problem& p, const op_workspace& w, const const_tensor& gate, int64_t tokens) {
   if (gate.data == nullptr) return status::ok();
   if (!w.coarse)
@@ -179,10 +178,7 @@ inline status forward_planned(const problem& p, const options& opt, const op_wor
   void* const scratch = buffers.scratch;
   const int64_t tokens = tile_geometry(p.grid).tiled_tokens();
   const float scale = detail::resolve_scale(p, opt);
-  if (s) s = detail::check_scale(scale);
-  if (s) s = check_tensor("q", io.q, p, p.q_heads, tokens, target::gpu);
-  if (s) s = check_tensor("k", io.k, p, p.kv_heads, tokens, target::gpu);
-  if (s) s = check_tensor("v", io.v, p, p.kv_heads, tokens, target::gpu);
+  if (s) s = detail::check_inputs(p, scale, io.q, io.k, io.v, tokens);
   if (s) s = check_tensor("o", io.o, p, p.q_heads, tokens, target::gpu);
   if (s) s = detail::check_gate(p, w, io.gate, tokens);
   if (s && !w.coarse) s = detail::check_lists(p, opt.q2k, false);
@@ -218,25 +214,14 @@ inline status forward_planned(const problem& p, const options& opt, const op_wor
   if (s) s = build_k2q(p, idx, w.at(scratch, w.index_scratch), index_bytes, stream);
   if (!s) return s;
 
-  gpu::detail::forward_params fp{};
-  fp.q = gpu::detail::make_operand(io.q);
-  fp.k = gpu::detail::make_operand(io.k);
-  fp.v = gpu::detail::make_operand(io.v);
-  fp.o = gpu::detail::make_operand(io.o);
-  fp.lse = w.at<float>(state, w.lse);
+  // The sparse pass with the combine epilogue (o_c and the gate, when the op selected the lists) and o's
+  // rounding residual, which the backward reads.
+  gpu::detail::forward_params fp =
+      detail::sparse_forward_params(p, scale, io.q, io.k, io.v, io.o, w.at<float>(state, w.lse));
   fp.o_residual = w.at<int8_t>(state, w.o_residual);
-  fp.scores = nullptr;
   fp.o_c = w.coarse ? w.at<const uint16_t>(state, w.o_c) : nullptr;
   fp.gate = gpu::detail::make_operand(io.gate);
-  fp.q_heads = p.q_heads;
-  fp.group = p.q_heads / p.kv_heads;
-  fp.scale = scale;
-  fp.scale_log2 = scale * log2_e;
-  const auto sched = detail::q2k_schedule(p, as_const(idx));
-  return gpu::detail::dispatch(p.type, p.head_dim, [&](auto cfg) {
-    using C = decltype(cfg);
-    return gpu::detail::launch_forward<typename C::element, C::head_dim>(fp, sched, p.batch, p.q_heads, stream);
-  });
+  return detail::run_forward(p, fp, detail::q2k_schedule(p, as_const(idx)), stream);
 }
 
 } // namespace detail
@@ -291,15 +276,10 @@ inline status backward_planned(const problem& p, const options& opt, const op_wo
   void* const scratch = buffers.scratch;
   const int64_t tokens = tile_geometry(p.grid).tiled_tokens();
   const float scale = detail::resolve_scale(p, opt);
-  if (s) s = detail::check_scale(scale);
-  if (s) s = check_tensor("q", io.q, p, p.q_heads, tokens, target::gpu);
-  if (s) s = check_tensor("k", io.k, p, p.kv_heads, tokens, target::gpu);
-  if (s) s = check_tensor("v", io.v, p, p.kv_heads, tokens, target::gpu);
+  if (s) s = detail::check_inputs(p, scale, io.q, io.k, io.v, tokens);
   if (s) s = check_tensor("o", io.o, p, p.q_heads, tokens, target::gpu);
   if (s) s = check_tensor("d_o", io.d_o, p, p.q_heads, tokens, target::gpu);
-  if (s) s = check_tensor("dq", io.dq, p, p.q_heads, tokens, target::gpu);
-  if (s) s = check_tensor("dk", io.dk, p, p.kv_heads, tokens, target::gpu);
-  if (s) s = check_tensor("dv", io.dv, p, p.kv_heads, tokens, target::gpu);
+  if (s) s = detail::check_gradients(p, io.dq, io.dk, io.dv, tokens);
   if (s) s = detail::check_gate(p, w, io.gate, tokens);
   if (s && io.dgate.data != nullptr && io.gate.data == nullptr)
     s = status::error(errc::bad_argument, "dgate: given without a gate");
@@ -337,48 +317,25 @@ inline status backward_planned(const problem& p, const options& opt, const op_wo
     if (!s) return s;
   }
 
-  gpu::detail::backward_params bp{};
-  s = detail::prepare_sparse_backward(p, idx, w.at(scratch, w.sparse_scratch), bp, stream);
-  if (!s) return s;
-  float* delta = const_cast<float*>(bp.delta);
   const auto qs = detail::q2k_schedule(p, idx);
   const auto ks = detail::k2q_schedule(p, idx);
-  gpu::detail::delta_params dp{};
-  dp.o = gpu::detail::make_operand(io.o);
-  dp.d_o = gpu::detail::make_operand(io.d_o);
-  dp.gate = gpu::detail::make_operand(io.gate);
-  dp.o_c = o_c;
-  dp.o_residual = w.at<const int8_t>(state, w.o_residual);
-  dp.delta = delta;
-  dp.q_heads = p.q_heads;
-  dp.rows_total = tokens;
-  dp.tiles = qs.tiles;
-
-  bp.q = gpu::detail::make_operand(io.q);
-  bp.k = gpu::detail::make_operand(io.k);
-  bp.v = gpu::detail::make_operand(io.v);
-  bp.d_o = gpu::detail::make_operand(io.d_o);
-  bp.dq = gpu::detail::make_operand(io.dq);
-  bp.dk = gpu::detail::make_operand(io.dk);
-  bp.dv = gpu::detail::make_operand(io.dv);
-  bp.lse = w.at<const float>(state, w.lse);
+  // The sparse pass's backward, dq, dk and dv adding the block-mean backward of the coarse gradients.
+  gpu::detail::backward_params bp = detail::sparse_backward_params(p, scale, io.q, io.k, io.v, io.d_o, io.dq, io.dk,
+                                                                   io.dv, w.at<const float>(state, w.lse));
   if (w.coarse) {
     bp.fold_q = w.at<const float>(scratch, w.dq_c);
     bp.fold_k = w.at<const float>(scratch, w.dk_c);
     bp.fold_v = w.at<const float>(scratch, w.dv_c);
   }
-  bp.q_heads = p.q_heads;
-  bp.kv_heads = p.kv_heads;
-  bp.group = p.q_heads / p.kv_heads;
-  bp.scale = scale;
-  bp.scale_log2 = scale * log2_e;
-  return gpu::detail::dispatch(p.type, p.head_dim, [&](auto cfg) {
-    using C = decltype(cfg);
-    using E = typename C::element;
-    status st = gpu::detail::launch_delta<E, C::head_dim>(dp, qs, p.batch, stream);
-    if (!st) return st;
-    return gpu::detail::launch_backward<E, C::head_dim>(bp, qs, ks, p.batch, stream);
-  });
+  // Its row terms are those of o_s = o − g ⊙ o_c, o as the forward computed it (o + its residual).
+  gpu::detail::delta_params dp =
+      detail::delta_base(p, gpu::detail::make_operand(io.o), gpu::detail::make_operand(io.d_o), qs);
+  dp.gate = gpu::detail::make_operand(io.gate);
+  dp.o_c = o_c;
+  dp.o_residual = w.at<const int8_t>(state, w.o_residual);
+  s = detail::prepare_sparse_backward(p, idx, w.at(scratch, w.sparse_scratch), bp, dp, stream);
+  if (!s) return s;
+  return detail::run_backward(p, dp, bp, qs, ks, stream);
 }
 
 } // namespace detail

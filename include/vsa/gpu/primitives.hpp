@@ -129,8 +129,6 @@ inline unsigned grid_blocks(int64_t items, int64_t cap = int64_t(1) << 20) {
   return static_cast<unsigned>(items < 1 ? 1 : (items < cap ? items : cap));
 }
 
-// Scratch sizes are rounded to 256 bytes, so that consecutive regions of one workspace stay aligned.
-
 // A [B, S, H, D] tensor of 16-bit elements seen as rows of 16-byte vectors (V = uint4 or const uint4);
 // strides in vectors. The validation has checked that the strides are whole vectors.
 template <class V> struct vector_view {

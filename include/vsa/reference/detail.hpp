@@ -22,19 +22,13 @@
 namespace vsa {
 namespace reference {
 
-// The softmax scale the whole op uses: options.scale, or 1/sqrt(head_dim) when it is 0. Stages take the
-// resolved value and reject anything that is not positive and finite.
-inline float resolve_scale(const problem& p, const options& opt) {
-  return opt.scale != 0.0f ? opt.scale : 1.0f / std::sqrt(static_cast<float>(p.head_dim));
-}
+// The softmax scale the whole op uses: options.scale, or 1/sqrt(head_dim) when it is 0 (validate.hpp, shared
+// with the GPU entry points).
+using vsa::detail::resolve_scale;
 
 namespace detail {
 
-inline status check_scale(float scale) {
-  if (!(scale > 0.0f) || !std::isfinite(scale))
-    return status::error(errc::bad_argument, "scale: must be positive and finite, got %g", static_cast<double>(scale));
-  return status::ok();
-}
+using vsa::detail::check_scale;
 
 // Plain arrays the reference reads as T: present and aligned for T.
 template <class T> status check_array(const char* name, T* ptr) {
