@@ -8,6 +8,7 @@
 
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -161,29 +162,62 @@ __global__ void hold_stream_kernel(long long cycles) {
 // ~100 us at a 2 GHz clock: longer than the host takes to launch any measured call (the whole op's
 // backward is the longest, ~15 launches).
 inline constexpr long long hold_cycles = 200000;
+inline constexpr double hold_cycles_per_us = 2000.0;
 
-// Times f on the stream with events, one measurement per benchmark iteration (manual time), after a few
-// warm-up calls; Google Benchmark reports the statistics (run with --benchmark_repetitions and the median).
-// Each iteration's launches queue behind hold_stream_kernel, so the start event fires when the GPU already
-// has the work: the time is the GPU's, as in a stream that is never idle, and does not include the host's
-// latency to launch the first kernel (a few microseconds, which the short stages would otherwise carry).
+// Calls of f timed together in one pass: as many as make at most batch_ms of GPU work (a power of two, at most
+// max_batch), one for a call of half a millisecond or more. Each pass costs a hold and a sync besides what it times
+// (~0.1 ms), which for stages of 17-90 us was most of a benchmark's wall time: bench_selection did not finish in two
+// minutes with one call a pass.
+inline constexpr double batch_ms = 1.0;
+inline constexpr int max_batch = 64;
+
+// Times f on the stream with events after a few warm-up calls; Google Benchmark reports the statistics (run with
+// --benchmark_repetitions and the median). Each iteration's launches queue behind hold_stream_kernel, so the start
+// event fires when the GPU already has the work: the time is the GPU's, as in a stream that is never idle, and does
+// not include the host's latency to launch the first kernel (a few microseconds, which the short stages would
+// otherwise carry). A short stage runs a batch of back-to-back calls a pass (batch_ms), behind a hold long enough
+// for the host to launch all of them twice over; the time reported is per call.
 template <class F> void time_on_stream(benchmark::State& state, gpu::stream_t stream, F&& f) {
   event_t start, stop;
   check(event_create(&start), "event");
   check(event_create(&stop), "event");
   for (int i = 0; i < 3; ++i) f();
   check(device_sync(), "warm-up");
-  for (auto _ : state) {
-    hold_stream_kernel<<<1, 1, 0, stream>>>(hold_cycles);
+  // Three calls behind a hold, timed on the GPU and on the host, size the batch and its hold. The batch is a
+  // power of two, so that a stage whose time sits near a boundary rarely changes batch between repetitions.
+  constexpr int pilot = 3;
+  hold_stream_kernel<<<1, 1, 0, stream>>>(hold_cycles);
+  check(gpu::last_error(), "hold");
+  const auto launched = std::chrono::steady_clock::now();
+  check(event_record(start, stream), "record");
+  for (int c = 0; c < pilot; ++c) f();
+  check(event_record(stop, stream), "record");
+  const double host_us =
+      std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - launched).count() / pilot;
+  check(event_sync(stop), "sync");
+  float pilot_ms = 0.f;
+  check(event_elapsed(&pilot_ms, start, stop), "elapsed");
+  int batch = 1;
+  while (2 * batch <= max_batch && 2 * batch * (pilot_ms / pilot) <= batch_ms) batch *= 2;
+  const long long hold = std::max(hold_cycles, static_cast<long long>(2.0 * host_us * batch * hold_cycles_per_us));
+  // Each pass runs `batch` calls, or what is left of the iterations Google Benchmark asked for, so that every
+  // repetition runs exactly that many (its statistics require it).
+  for (;;) {
+    const benchmark::IterationCount left = state.max_iterations - state.iterations();
+    const int calls =
+        static_cast<int>(std::max<benchmark::IterationCount>(1, std::min<benchmark::IterationCount>(batch, left)));
+    if (!state.KeepRunningBatch(calls)) break;
+    hold_stream_kernel<<<1, 1, 0, stream>>>(hold);
     check(gpu::last_error(), "hold");
     check(event_record(start, stream), "record");
-    f();
+    for (int c = 0; c < calls; ++c) f();
     check(event_record(stop, stream), "record");
     check(event_sync(stop), "sync");
     float ms = 0.f;
     check(event_elapsed(&ms, start, stop), "elapsed");
-    state.SetIterationTime(ms * 1e-3);
+    state.SetIterationTime(ms * 1e-3); // the pass's: Google Benchmark divides by the iterations, `calls` a pass
   }
+  state.counters["batch"] = batch;
 }
 
 // Times f on the host: each iteration the mean of `calls` back-to-back calls, queued behind a hold so that none
