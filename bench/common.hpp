@@ -172,7 +172,7 @@ inline constexpr double batch_ms = 1.0;
 inline constexpr int max_batch = 64;
 
 // Times f on the stream with events after a few warm-up calls; Google Benchmark reports the statistics (run with
-// --benchmark_repetitions and the median). Each iteration's launches queue behind hold_stream_kernel, so the start
+// --benchmark_repetitions and the median). Each pass's launches queue behind hold_stream_kernel, so the start
 // event fires when the GPU already has the work: the time is the GPU's, as in a stream that is never idle, and does
 // not include the host's latency to launch the first kernel (a few microseconds, which the short stages would
 // otherwise carry). A short stage runs a batch of back-to-back calls a pass (batch_ms), behind a hold long enough

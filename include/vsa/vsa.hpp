@@ -14,6 +14,8 @@
 #if defined(__CUDACC__) || defined(__HIPCC__)
 #define VSA_HAS_GPU 1
 #include "gpu/block_means.hpp"
+// The sparse stage before the coarse pass, as in op.hpp (the order in which their kernels are emitted).
+#include "gpu/sparse_attention.hpp"
 #include "gpu/coarse_attention.hpp"
 #include "gpu/combine.hpp"
 #include "gpu/index.hpp"
@@ -23,5 +25,4 @@
 #endif
 #include "gpu/op.hpp"
 #include "gpu/select.hpp"
-#include "gpu/sparse_attention.hpp"
 #endif

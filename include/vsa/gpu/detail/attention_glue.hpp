@@ -133,8 +133,8 @@ template <class Sched> gpu::detail::delta_params delta_base(const problem& p, co
   return dp;
 }
 
-// The fine backward's scratch, each piece 256-byte aligned: delta (one fp32 a query row), the order kernels'
-// counts (2·order_buckets ints a kv head) and the launch order of the dk/dv blocks (one int a kv head's tile).
+// The fine backward's scratch, each piece aligned to workspace_alignment: delta (one fp32 a query row), the order
+// kernels' counts (2·order_buckets ints a kv head) and the launch order of the dk/dv blocks (one int a kv head's tile).
 struct sparse_backward_scratch {
   std::size_t delta, counts, order;
   explicit sparse_backward_scratch(const problem& p) {

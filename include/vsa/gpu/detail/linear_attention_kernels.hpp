@@ -16,7 +16,7 @@
 //
 // Matrix layer: attention_mma (arch/matrix.hpp), i.e. the wgmma backend in device code for sm_90a and
 // warp_mma elsewhere; both give warp w rows 16w … of a 64-row tile in the same element map, so the band
-// code below serves both. Launch shapes are taken from warp_mma on the host and the device alike.
+// code (linear/common.hpp) serves both. Launch shapes are taken from warp_mma on the host and the device alike.
 //
 // Stored form of the state, chosen so that no 16-bit operand can overflow or lose its range, whatever the
 // sequence length or the magnitude of v (fp16 included):

@@ -51,8 +51,8 @@ __device__ __forceinline__ void query_weights(typename warp_mma<E, D>::score_til
 // maximum and sum, combined as in a streaming softmax) are exchanged through shared memory across one
 // barrier, and each warpgroup then finishes dq and A for its columns. Otherwise four warps would work here
 // while the other four wait, one warp a scheduler with every latency exposed, and each would need the
-// registers of a whole row. On Hopper with the maps of Q, dO and dq, query_grad_tma (above) runs the tiles
-// instead, through the copy engine; the loop below is the fallback, and the code of every other target.
+// registers of a whole row. On Hopper with the maps of Q, dO and dq, query_grad_tma (query_grad_hopper.hpp) runs the
+// tiles instead, through the copy engine; the loop below is the fallback, and the code of every other target.
 template <class E, int D, feature_map F> __global__ void
 VSA_LINEAR_BOUNDS((band_layout<E, D>::threads), (D == 128 ? (layer_tn ? query_grad_hopper_blocks : 1) : 2))
     query_grad_kernel(const VSA_GRID_CONSTANT query_grad_params p) {
