@@ -247,6 +247,36 @@ inline status check_backward_disjoint(const problem& p, const backward_io& io, c
                          view_footprint("o", io.o, p, p.q_heads), view_footprint("d_o", io.d_o, p, p.q_heads),
                          buffer_footprint("state", state, state_bytes), l.q2k, l.count});
 }
+// tile and untile: the output against the input (a tile's slots are not a raster token's, so no overlap is safe).
+inline status check_layout_disjoint(const problem& p, int64_t heads, const const_tensor& raster,
+                                    const const_tensor& tiled, bool to_tiled) {
+  const footprint r = view_footprint("raster", raster, p, heads), t = view_footprint("tiled", tiled, p, heads);
+  return to_tiled ? check_disjoint({t}, {r}) : check_disjoint({r}, {t});
+}
+// The bytes of o_c and d_o_c, [B, Hq, N, D] in p.type.
+inline std::size_t coarse_bytes(const problem& p) {
+  return dtype_size(p.type) *
+         static_cast<std::size_t>(p.batch * p.q_heads * tile_geometry(p.grid).num_tiles() * p.head_dim);
+}
+// combine: o against the gate and o_c, and against o_s unless o is o_s itself (the same view), which is safe: each
+// element of o_s is read before it is written, by the same thread on the GPU and in the same row on the CPU.
+inline status check_combine_disjoint(const problem& p, const const_tensor& o_s, const const_tensor& gate,
+                                     const void* o_c, const tensor& o) {
+  const bool in_place = o.data == o_s.data && o.batch_stride == o_s.batch_stride &&
+                        o.token_stride == o_s.token_stride && o.head_stride == o_s.head_stride;
+  const footprint out = view_footprint("o", o, p, p.q_heads), g = view_footprint("gate", gate, p, p.q_heads),
+                  oc = buffer_footprint("o_c", o_c, coarse_bytes(p));
+  if (in_place) return check_disjoint({out}, {g, oc});
+  return check_disjoint({out}, {view_footprint("o_s", o_s, p, p.q_heads), g, oc});
+}
+// combine_backward: dgate and d_o_c against each other and every input.
+inline status check_combine_backward_disjoint(const problem& p, const const_tensor& d_o, const const_tensor& gate,
+                                              const void* o_c, const tensor& dgate, const void* d_o_c) {
+  return check_disjoint(
+      {view_footprint("dgate", dgate, p, p.q_heads), buffer_footprint("d_o_c", d_o_c, coarse_bytes(p))},
+      {view_footprint("d_o", d_o, p, p.q_heads), view_footprint("gate", gate, p, p.q_heads),
+       buffer_footprint("o_c", o_c, coarse_bytes(p))});
+}
 inline std::size_t lse_bytes(const problem& p) {
   return sizeof(float) * static_cast<std::size_t>(p.batch * p.q_heads * tile_geometry(p.grid).tiled_tokens());
 }

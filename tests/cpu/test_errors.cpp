@@ -402,6 +402,26 @@ TEST_CASE("an output sharing memory with another argument is rejected by name, i
                                               shifted(w.dk.view(), w.v.data(), 0), w.dv.view()),
          "dk", "v");
 
+  // The layout passes: the output over the input, either way.
+  const int64_t heads = p.q_heads;
+  expect(reference::tile(p, heads, w.rq.cview(), shifted(w.o.view(), w.rq.data(), 0)), "tiled", "raster");
+  tensor raster_over_q = w.rq.view();
+  raster_over_q.data = w.q.data();
+  expect(reference::untile(p, heads, w.q.cview(), raster_over_q), "raster", "tiled");
+  // combine: o over the gate, over o_c, and over o_s one token off (o over o_s exactly is in place: below).
+  expect(reference::combine(p, w.q.cview(), w.gate.cview(), w.o_c.data(), shifted(w.o.view(), w.gate.data(), 0)), "o",
+         "gate");
+  expect(reference::combine(p, w.q.cview(), w.gate.cview(), w.o.data(), w.o.view()), "o", "o_c"); // o_c inside o
+  expect(reference::combine(p, w.q.cview(), w.gate.cview(), w.o_c.data(),
+                            shifted(w.o.view(), w.q.data(), w.q.cview().token_stride)),
+         "o", "o_s");
+  // combine_backward: its two outputs over each other, dgate over dO.
+  expect(reference::combine_backward(p, w.d_o.cview(), w.gate.cview(), w.o_c.data(), w.dgate.view(), w.dgate.data()),
+         "dgate", "d_o_c");
+  expect(reference::combine_backward(p, w.d_o.cview(), w.gate.cview(), w.o_c.data(),
+                                     shifted(w.dgate.view(), w.d_o.data(), 0), w.d_o_c.data()),
+         "dgate", "d_o");
+
   // q, k, v interleaved in one packed [B, S, Hq + 2·Hk, D] buffer and dq, dk, dv in another, as a framework's
   // fused projection gives them: accepted, and the gradients are those of separate tensors.
   const int64_t hq = p.q_heads, hk = p.kv_heads, d = p.head_dim;
@@ -447,4 +467,11 @@ TEST_CASE("an output sharing memory with another argument is rejected by name, i
           REQUIRE(grads.get(b, s, hq + hk + h, c) == w.dv.get(b, s, h, c));
         }
       }
+
+  // combine in place (o the same view as o_s) is accepted and gives what it gives into a separate o.
+  w.o_c.fill_normal(g);
+  REQUIRE(reference::combine(p, w.q.cview(), w.gate.cview(), w.o_c.data(), w.o.view()).is_ok());
+  host_tensor in_place = w.q;
+  REQUIRE(reference::combine(p, in_place.cview(), w.gate.cview(), w.o_c.data(), in_place.view()).is_ok());
+  CHECK(in_place.bytes == w.o.bytes);
 }

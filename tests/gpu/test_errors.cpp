@@ -336,17 +336,24 @@ TEST_CASE("tile rejects bad arguments untouched", "[gpu][errors]") {
       {"heads 0", [](arguments& a) { a.heads = 0; }, errc::bad_heads, "heads", true},
       {"heads -1", [](arguments& a) { a.heads = -1; }, errc::bad_heads, "heads", true},
   };
-  run_cases(
-      call,
-      join(problem_cases(), heads, tensor_cases("raster", &arguments::raster), tensor_cases("tiled", &arguments::o)),
-      false);
+  const std::vector<bad_case> aliasing = {
+      {"tiled over raster", [](arguments& a) { a.o.data = a.raster.data; }, errc::aliased, "tiled", true},
+  };
+  run_cases(call,
+            join(problem_cases(), heads, tensor_cases("raster", &arguments::raster),
+                 tensor_cases("tiled", &arguments::o), aliasing),
+            false);
 }
 
 TEST_CASE("untile rejects bad arguments untouched", "[gpu][errors]") {
   const entry_point call = [](arguments& a) { return untile(a.p, a.heads, a.q, a.raster, nullptr); };
-  run_cases(call,
-            join(problem_cases(), tensor_cases("tiled", &arguments::q), tensor_cases("raster", &arguments::raster)),
-            false);
+  const std::vector<bad_case> aliasing = {
+      {"raster over tiled", [](arguments& a) { a.raster.data = a.q.data; }, errc::aliased, "raster", true},
+  };
+  run_cases(
+      call,
+      join(problem_cases(), tensor_cases("tiled", &arguments::q), tensor_cases("raster", &arguments::raster), aliasing),
+      false);
 }
 
 TEST_CASE("block_means rejects bad arguments untouched", "[gpu][errors]") {
@@ -467,7 +474,15 @@ TEST_CASE("combine rejects bad arguments untouched", "[gpu][errors]") {
   std::vector<bad_case> kept; // a null gate is valid (g = 1)
   for (const auto& c : all)
     if (c.name != "gate null") kept.push_back(c);
-  run_cases(call, kept, false);
+  // o over o_s exactly is in place, and accepted; any other overlap is not.
+  const std::vector<bad_case> aliasing = {
+      {"o over the gate", [](arguments& a) { a.o.data = a.gate.data; }, errc::aliased, "o", true},
+      {"o over o_s one token off",
+       [](arguments& a) { a.o.data = static_cast<char*>(a.o_s.data) + a.o_s.token_stride * 2; }, errc::aliased, "o_s",
+       false},
+      {"o_c inside o", [](arguments& a) { a.o_c = a.o.data; }, errc::aliased, "o_c", false},
+  };
+  run_cases(call, join(kept, aliasing), false);
 }
 
 TEST_CASE("combine_backward rejects bad arguments untouched", "[gpu][errors]") {
@@ -485,7 +500,11 @@ TEST_CASE("combine_backward rejects bad arguments untouched", "[gpu][errors]") {
   std::vector<bad_case> kept; // the null gate/dgate cases are the pair cases above
   for (auto& c : all)
     if (c.name != "gate null" && c.name != "dgate null") kept.push_back(c);
-  run_cases(call, kept, false);
+  const std::vector<bad_case> aliasing = {
+      {"d_o_c over dgate", [](arguments& a) { a.d_o_c = a.dgate.data; }, errc::aliased, "d_o_c", false},
+      {"dgate over d_o", [](arguments& a) { a.dgate.data = a.d_o.data; }, errc::aliased, "dgate", true},
+  };
+  run_cases(call, join(kept, aliasing), false);
 }
 
 namespace {

@@ -166,7 +166,8 @@ inline status check_gate_pair(const const_tensor& gate, const void* dgate) {
 
 // o [B, N·64, Hq, D] = o_s + g ⊙ o_c[b, h, tile] on valid slots, 0 on padding slots. o_s, gate and o are tiled
 // views; gate.data may be null (g = 1); o_c is [B, Hq, N, D] contiguous in p.type. o may be the same view as
-// o_s (each element is read before it is written by the same thread).
+// o_s (each element is read before it is written by the same thread); any other overlap of o with an input is
+// rejected (errc::aliased), as are dgate and d_o_c sharing memory with anything in the backward.
 inline status combine(const problem& p, const_tensor o_s, const_tensor gate, const void* o_c, tensor o,
                       gpu::stream_t stream) {
   status s = check_problem(p, target::gpu);
@@ -177,6 +178,7 @@ inline status combine(const problem& p, const_tensor o_s, const_tensor gate, con
   if (s) s = check_tensor("o", o, p, p.q_heads, geo.tiled_tokens(), target::gpu);
   if (s && p.q_heads > 65536)
     return status::error(errc::bad_heads, "q_heads: combine takes at most 65536, got %lld", (long long)p.q_heads);
+  if (s) s = check_combine_disjoint(p, o_s, gate, o_c, o);
   if (!s) return s;
   namespace gd = gpu::detail;
   const gd::combine_params cp{gd::make_vector_view<const uint4>(o_s),
@@ -208,6 +210,7 @@ inline status combine_backward(const problem& p, const_tensor d_o, const_tensor 
   if (s) s = check_pointer("o_c", o_c, 16);
   if (s && dgate.data != nullptr) s = check_tensor("dgate", dgate, p, p.q_heads, geo.tiled_tokens(), target::gpu);
   if (s) s = check_pointer("d_o_c", d_o_c, 16);
+  if (s) s = check_combine_backward_disjoint(p, d_o, gate, o_c, dgate, d_o_c);
   if (!s) return s;
   namespace gd = gpu::detail;
   const gd::combine_backward_params bp{gd::make_vector_view<const uint4>(d_o),

@@ -101,14 +101,16 @@ status launch_layout(const problem& p, int64_t heads, const const_tensor& src, c
 
 // raster [B, T·H·W, heads, D] -> tiled [B, N·64, heads, D]; padding slots become zeros.
 inline status tile(const problem& p, int64_t heads, const_tensor raster, tensor tiled, gpu::stream_t stream) {
-  const status s = gpu::detail::check_layout(p, heads, raster, as_const(tiled));
+  status s = gpu::detail::check_layout(p, heads, raster, as_const(tiled));
+  if (s) s = check_layout_disjoint(p, heads, raster, as_const(tiled), true);
   if (!s) return s;
   return gpu::detail::launch_layout<true>(p, heads, raster, tiled, stream);
 }
 
 // tiled [B, N·64, heads, D] -> raster [B, T·H·W, heads, D]; padding slots are dropped.
 inline status untile(const problem& p, int64_t heads, const_tensor tiled, tensor raster, gpu::stream_t stream) {
-  const status s = gpu::detail::check_layout(p, heads, as_const(raster), tiled);
+  status s = gpu::detail::check_layout(p, heads, as_const(raster), tiled);
+  if (s) s = check_layout_disjoint(p, heads, as_const(raster), tiled, false);
   if (!s) return s;
   return gpu::detail::launch_layout<false>(p, heads, tiled, raster, stream);
 }

@@ -88,6 +88,7 @@ inline status combine(const problem& p, const_tensor o_s, const_tensor gate, con
   if (!(s = detail::check_gate(p, gate, nullptr, false))) return s;
   if (!(s = detail::check_array("o_c", o_c))) return s;
   if (!(s = detail::check_tiled("o", o, p, p.q_heads))) return s;
+  if (!(s = check_combine_disjoint(p, o_s, gate, o_c, o))) return s;
   return detail::guarded("combine", [&]() {
     detail::combine_core(p, o_s, gate, o_c, o, p.type);
     return status::ok();
@@ -103,6 +104,7 @@ inline status combine_backward(const problem& p, const_tensor d_o, const_tensor 
   if (!(s = detail::check_array("o_c", o_c))) return s;
   if (dgate.data != nullptr && !(s = detail::check_tiled("dgate", dgate, p, p.q_heads))) return s;
   if (!(s = detail::check_array("d_o_c", d_o_c))) return s;
+  if (!(s = check_combine_backward_disjoint(p, d_o, gate, o_c, dgate, d_o_c))) return s;
   return detail::guarded("combine_backward", [&]() {
     const int64_t size = p.batch * p.q_heads * tile_geometry(p.grid).num_tiles() * p.head_dim;
     std::vector<double> sum(size);

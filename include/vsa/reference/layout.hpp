@@ -27,6 +27,7 @@ inline status check_layout(const problem& p, int64_t heads, const const_tensor& 
 
 inline status tile(const problem& p, int64_t heads, const_tensor raster, tensor tiled) {
   status s = detail::check_layout(p, heads, raster, as_const(tiled), "raster", "tiled");
+  if (s) s = check_layout_disjoint(p, heads, raster, as_const(tiled), true);
   if (!s) return s;
   return detail::guarded("tile", [&]() {
     const tile_geometry geo(p.grid);
@@ -56,6 +57,7 @@ inline status tile(const problem& p, int64_t heads, const_tensor raster, tensor 
 
 inline status untile(const problem& p, int64_t heads, const_tensor tiled, tensor raster) {
   status s = detail::check_layout(p, heads, as_const(raster), tiled, "raster", "tiled");
+  if (s) s = check_layout_disjoint(p, heads, as_const(raster), tiled, false);
   if (!s) return s;
   return detail::guarded("untile", [&]() {
     const tile_geometry geo(p.grid);
