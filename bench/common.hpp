@@ -183,39 +183,39 @@ template <class F> void time_on_stream(benchmark::State& state, gpu::stream_t st
   check(event_create(&stop), "event");
   for (int i = 0; i < 3; ++i) f();
   check(device_sync(), "warm-up");
-  // Three calls behind a hold, timed on the GPU and on the host, size the batch and its hold. The batch is a
-  // power of two, so that a stage whose time sits near a boundary rarely changes batch between repetitions.
+  // One pass: `calls` calls behind a hold of `hold` cycles; the GPU's milliseconds, and the host's microseconds to
+  // launch them.
+  const auto pass = [&](int calls, long long hold, double& host_us) {
+    hold_stream_kernel<<<1, 1, 0, stream>>>(hold);
+    check(gpu::last_error(), "hold");
+    const auto launched = std::chrono::steady_clock::now();
+    check(event_record(start, stream), "record");
+    for (int c = 0; c < calls; ++c) f();
+    check(event_record(stop, stream), "record");
+    host_us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - launched).count();
+    check(event_sync(stop), "sync");
+    float ms = 0.f;
+    check(event_elapsed(&ms, start, stop), "elapsed");
+    return ms;
+  };
+  // A pass of three calls sizes the batch and its hold. The batch is a power of two, so that a stage whose time sits
+  // near a boundary rarely changes batch between repetitions.
   constexpr int pilot = 3;
-  hold_stream_kernel<<<1, 1, 0, stream>>>(hold_cycles);
-  check(gpu::last_error(), "hold");
-  const auto launched = std::chrono::steady_clock::now();
-  check(event_record(start, stream), "record");
-  for (int c = 0; c < pilot; ++c) f();
-  check(event_record(stop, stream), "record");
-  const double host_us =
-      std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - launched).count() / pilot;
-  check(event_sync(stop), "sync");
-  float pilot_ms = 0.f;
-  check(event_elapsed(&pilot_ms, start, stop), "elapsed");
+  double host_us = 0.0;
+  const float pilot_ms = pass(pilot, hold_cycles, host_us);
   int batch = 1;
   while (2 * batch <= max_batch && 2 * batch * (pilot_ms / pilot) <= batch_ms) batch *= 2;
-  const long long hold = std::max(hold_cycles, static_cast<long long>(2.0 * host_us * batch * hold_cycles_per_us));
+  const long long hold =
+      std::max(hold_cycles, static_cast<long long>(2.0 * host_us / pilot * batch * hold_cycles_per_us));
   // Each pass runs `batch` calls, or what is left of the iterations Google Benchmark asked for, so that every
-  // repetition runs exactly that many (its statistics require it).
+  // repetition runs exactly that many (its statistics require it). The time set is the pass's: Google Benchmark
+  // divides by the iterations, `calls` a pass.
   for (;;) {
     const benchmark::IterationCount left = state.max_iterations - state.iterations();
     const int calls =
         static_cast<int>(std::max<benchmark::IterationCount>(1, std::min<benchmark::IterationCount>(batch, left)));
     if (!state.KeepRunningBatch(calls)) break;
-    hold_stream_kernel<<<1, 1, 0, stream>>>(hold);
-    check(gpu::last_error(), "hold");
-    check(event_record(start, stream), "record");
-    for (int c = 0; c < calls; ++c) f();
-    check(event_record(stop, stream), "record");
-    check(event_sync(stop), "sync");
-    float ms = 0.f;
-    check(event_elapsed(&ms, start, stop), "elapsed");
-    state.SetIterationTime(ms * 1e-3); // the pass's: Google Benchmark divides by the iterations, `calls` a pass
+    state.SetIterationTime(pass(calls, hold, host_us) * 1e-3);
   }
   state.counters["batch"] = batch;
 }
