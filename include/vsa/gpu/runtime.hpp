@@ -48,6 +48,10 @@ template <class Kernel> error_t kernel_binary_version(Kernel, int* v) {
   *v = 0;
   return hipSuccess;
 }
+template <class Kernel> error_t kernel_static_smem(Kernel, int* bytes) {
+  *bytes = 0;
+  return hipSuccess;
+}
 #else
 using stream_t = cudaStream_t;
 using error_t = cudaError_t;
@@ -67,6 +71,13 @@ template <class Kernel> error_t kernel_binary_version(Kernel k, int* v) {
   cudaFuncAttributes a{};
   const cudaError_t e = cudaFuncGetAttributes(&a, k);
   *v = e == cudaSuccess ? a.binaryVersion : 0;
+  return e;
+}
+// Bytes of the kernel's static shared memory, as compiled for the device it runs on.
+template <class Kernel> error_t kernel_static_smem(Kernel k, int* bytes) {
+  cudaFuncAttributes a{};
+  const cudaError_t e = cudaFuncGetAttributes(&a, k);
+  *bytes = e == cudaSuccess ? static_cast<int>(a.sharedSizeBytes) : 0;
   return e;
 }
 #endif

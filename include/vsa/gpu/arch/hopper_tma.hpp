@@ -111,6 +111,16 @@ __device__ __forceinline__ void wait(uint64_t* bar, uint32_t phase) {
                  : "memory");
   } while (!done);
 }
+// This thread's plain arrival (no bytes announced); its earlier writes to shared memory are visible to a thread
+// that then sees the phase complete.
+__device__ __forceinline__ void arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_address(bar)) : "memory");
+}
+// The `count` threads (a multiple of 32) that call it with the same id meet (named barrier id: 1 to 15, 0 is
+// the block's __syncthreads).
+__device__ __forceinline__ void named_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
 // The box at (column, token, head, batch) of the tensor `map` describes, into the 1024-byte-aligned panel at
 // dst; completion is counted on bar.
 __device__ __forceinline__ void load_box(uint16_t* dst, const tma_map* map, uint64_t* bar, int column, int token,

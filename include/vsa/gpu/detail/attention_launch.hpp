@@ -4,6 +4,7 @@
 
 #include "attention_backward.hpp"
 #include "attention_forward.hpp"
+#include "hopper/dkdv.hpp"
 
 #include <type_traits>
 
@@ -116,6 +117,23 @@ template <class E, int D, class Sched> status launch_backward(const backward_par
   dq<<<qgrid, 4 * M::threads, smem, stream>>>(b, q_sched);
   st = launch_status("attention backward (dq)");
   if (!st) return st;
+  if constexpr (!Sched::few_blocks && D == 128) {
+    // The sparse pass at head dim 128 on Hopper: the warp-specialized dk/dv (hopper/dkdv.hpp), where its Hopper
+    // body was compiled (sm_90a: it then declares its barriers in static shared memory; a build for sm_90 without
+    // the architecture-specific features compiles it empty) and Q and dO go through the copy engine.
+    const auto split = hopper::hopper_dkdv_kernel<E, D>;
+    int split_static = 0;
+    st = runtime_status(kernel_static_smem(split, &split_static), "querying a kernel's shared memory");
+    if (!st) return st;
+    if (hopper && split_static > 0 && b.tma != 0 && bp.order != nullptr) {
+      const int split_smem = hopper::dkdv_plan<D>::bytes;
+      st = prepare(split, split_smem);
+      if (!st) return st;
+      split<<<static_cast<unsigned>(k_sched.tiles * bp.kv_heads * batch), hopper::dkdv_threads, split_smem, stream>>>(
+          b, k_sched);
+      return launch_status("attention backward (dk, dv)");
+    }
+  }
   const dim3 kgrid = bp.order != nullptr ? dim3(static_cast<unsigned>(k_sched.tiles * bp.kv_heads * batch))
                                          : dim3(static_cast<unsigned>(k_sched.tiles),
                                                 static_cast<unsigned>(bp.kv_heads), static_cast<unsigned>(batch));

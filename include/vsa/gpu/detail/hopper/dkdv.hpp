@@ -1,0 +1,222 @@
+// dk and dv of the sparse pass on Hopper (sm_90a, head dim 128), warp-specialized: three warpgroups a block, one
+// block a key tile, walking the tile's (query head, query tile) pairs as the portable attention_dkdv_kernel does.
+//
+//   producer   its first warp, once both consumers have freed a stage of the ring (empty barrier), asks the copy
+//              engine for the next pair's Q and dO, reads the pair's row statistics (log-sum-exp, delta) and the
+//              query tile's valid count into the stage, and arrives on the stage's full barrier; it then gives
+//              most of its registers to the consumers (setmaxnreg);
+//   consumer 0 owns dV: Sᵀ = K·Qᵀ, P = exp2(Sᵀ·scale·log2 e − lse), hands P to consumer 1 in fp16, dV += Pᵀ·dO;
+//   consumer 1 owns dK: dPᵀ = V·dOᵀ, dS = P ∘ (dPᵀ − delta), dK += dSᵀ·Q.
+//
+// The portable kernel runs all four products and both softmax steps of a pair in one warpgroup, one after the
+// other, and holds dK and dV (128 registers a thread) at once, two blocks an SM. Here each consumer holds one
+// accumulator and runs two products; the chains overlap (the next Sᵀ under dK's product, dPᵀ under the softmax),
+// and the loads that fed each step (list entry, statistics, the copy's issue) sit on a warp of their own. On
+// the H200 (wan2.1-1.3b-480p, uniform lists): 4.09-4.11 ms against 4.64-4.70 for the portable kernel
+// (bench/NOTES.md, v17).
+//
+// P goes through shared memory in fp16 whatever the element type: P ≤ 1, so fp16 rounds it to 2^-11 relative
+// (2^-25 absolute below its normal range), finer than the 16-bit rounding dS gets anyway for its product. dV's
+// product takes P from consumer 0's registers rounded to the element type, exactly as the portable kernel's:
+// dV is bitwise that kernel's, dK within rounding of it. Each output element is summed by one thread in a
+// fixed order, so results are bitwise reproducible.
+//
+// Padding rows of a partial query tile: Q and dO land whole (a box is a whole tile); the consumers mask their
+// scores by the query's valid count, and each zeroes the padding rows of the tile its second product reads
+// (dO for dV, Q for dK) before that product. A partial key tile is zero-filled by copy_tile, and its padding
+// rows of dK and dV are not stored.
+#pragma once
+
+#include "../attention_backward.hpp"
+
+namespace vsa {
+namespace gpu {
+namespace detail {
+namespace hopper {
+
+// The ring of Q/dO stages, measured on the H200 (bench/NOTES.md, v17): 3 stages 4.48 ms, 4 stages 4.09-4.11,
+// 5 stages 4.34-4.40.
+inline constexpr int dkdv_stages = 4;
+inline constexpr int dkdv_threads = 384;
+
+// What the producer leaves in a stage beside its tiles.
+struct dkdv_stage_info {
+  float lse2[64], delta[64]; // the 64 rows of the pair's query tile (rows past `valid` are masked by the consumers)
+  int valid;
+  int pad[3];
+};
+
+template <int D> struct dkdv_plan {
+  static constexpr int tile = smem_tile<D>::bytes;
+  static constexpr int p_bytes = 64 * 64 * 2; // P in fp16: 32 halves a consumer thread
+  static constexpr int bytes =
+      (2 + 2 * dkdv_stages) * tile + p_bytes + dkdv_stages * static_cast<int>(sizeof(dkdv_stage_info)) + smem_slack;
+};
+
+// The (query head, list position) pairs of one key tile, in the portable kernel's order: the lists of every head
+// of the kv head's group, in turn.
+struct dkdv_pairs {
+  const backward_params& p;
+  const sparse_schedule& s;
+  int64_t b, hk, j;
+  int g;
+  int64_t pos, end;
+  __device__ __forceinline__ void locate() { s.range(b * p.q_heads + hk * p.group + g, j, pos, end); }
+  __device__ __forceinline__ void first() {
+    g = 0;
+    locate();
+    while (pos == end && ++g < p.group) locate();
+  }
+  __device__ __forceinline__ void next() {
+    ++pos;
+    while (pos == end && ++g < p.group) locate();
+  }
+  __device__ __forceinline__ bool done() const { return g >= p.group; }
+};
+
+// Launched with dkdv_threads threads and dkdv_plan<D>::bytes of shared memory, a block per entry of p.order; only
+// where the kernel runs as sm_90a code and the maps of q and dO encode (attention_launch.hpp).
+template <class E, int D> __global__ void __launch_bounds__(dkdv_threads, 1)
+    hopper_dkdv_kernel(const VSA_GRID_CONSTANT backward_params p, const VSA_GRID_CONSTANT sparse_schedule s) {
+  static_assert(D == 128, "the split pays at head dim 128; D = 64 keeps the portable kernel");
+#if VSA_WGMMA
+  using M = attention_mma<E, D>;
+  constexpr int stages = dkdv_stages;
+  extern __shared__ uint4 smem_raw[];
+  uint16_t* sm = aligned_smem(smem_raw);
+  const smem_tile<D> sk{sm}, sv{sm + 64 * D};
+  const auto sq = [&](int buf) { return smem_tile<D>{sm + (2 + 2 * buf) * 64 * D}; };
+  const auto sdo = [&](int buf) { return smem_tile<D>{sm + (3 + 2 * buf) * 64 * D}; };
+  uint4* sp = reinterpret_cast<uint4*>(sm + (2 + 2 * stages) * 64 * D); // chunk c of consumer thread t: sp[c·128 + t]
+  dkdv_stage_info* info = reinterpret_cast<dkdv_stage_info*>(sp + 4 * 128);
+  __shared__ __align__(8) uint64_t full[stages], empty[stages], p_full, p_empty;
+
+  const int64_t item = p.order[blockIdx.x];
+  const int64_t j = item % s.tiles, hk = (item / s.tiles) % p.kv_heads, b = item / s.tiles / p.kv_heads;
+  // The warpgroup index through a shuffle, so that ptxas knows it is the same across each warp: branches on it are
+  // then not divergent, and the wgmma chains inside them stay pipelined (otherwise C7518: every wgmma serialized).
+  const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid / 128, 0), wtid = tid % 128, row0 = (wtid / 32) * 16;
+  const int kv = s.valid(j);
+  const int64_t rows_total = s.rows_total();
+  if (tid == 0) {
+    for (int x = 0; x < stages; ++x) {
+      tma::barrier_init(&full[x], 1 + 32); // the copy's announcement, then each producer lane after its stores
+      tma::barrier_init(&empty[x], 256);   // each consumer thread after its reads of the stage
+    }
+    tma::barrier_init(&p_full, 128);
+    tma::barrier_init(&p_empty, 128);
+  }
+  __syncthreads();
+
+  dkdv_pairs it{p, s, b, hk, j, 0, 0, 0};
+  it.first();
+  if (wg == 2) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
+    if (wtid >= 32) return;
+    const auto counter = s.valid_counter();
+    for (int n = 0; !it.done(); it.next(), ++n) {
+      const int buf = n % stages, round = n / stages;
+      if (round > 0) tma::wait(&empty[buf], static_cast<uint32_t>((round - 1) & 1));
+      const int64_t h = hk * p.group + it.g, i = s.at(it.pos), row = (b * p.q_heads + h) * rows_total + i * 64;
+      if (wtid == 0) tma::tile_pair{&full[buf], 0u}.load<D>(sq(buf), &p.q_map, sdo(buf), &p.do_map, i * 64, h, b);
+      const bool live = i >= 0;
+      const float l0 = live ? p.lse[row + wtid] : 0.f, l1 = live ? p.lse[row + 32 + wtid] : 0.f;
+      const float d0 = live ? p.delta[row + wtid] : 0.f, d1 = live ? p.delta[row + 32 + wtid] : 0.f;
+      info[buf].lse2[wtid] = l0 * log2_e;
+      info[buf].lse2[32 + wtid] = l1 * log2_e;
+      info[buf].delta[wtid] = d0;
+      info[buf].delta[32 + wtid] = d1;
+      if (wtid == 0) info[buf].valid = counter.valid(i);
+      tma::arrive(&full[buf]); // releases this lane's stores
+    }
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;" ::: "memory");
+
+  // K and V of the block's key tile (padding rows zero-filled), by both consumers.
+  copy_tile(sk, p.k.tile(b, hk, j), p.k.token, kv, tid, 256);
+  copy_tile(sv, p.v.tile(b, hk, j), p.v.token, kv, tid, 256);
+  copy_commit();
+  copy_wait<0>();
+  tma::named_sync(1, 256);
+
+  typename M::out_tile acc; // dV in consumer 0, dK in consumer 1
+#pragma unroll
+  for (int e = 0; e < M::out_elems; ++e) acc.x[e] = 0.f;
+
+  for (int n = 0; !it.done(); it.next(), ++n) {
+    const int buf = n % stages, round = n / stages;
+    tma::wait(&full[buf], static_cast<uint32_t>(round & 1));
+    const int qv = info[buf].valid;
+    const float* stat = wg == 0 ? info[buf].lse2 : info[buf].delta;
+    typename M::score_tile x; // Sᵀ, then P (consumer 0); dPᵀ, then dSᵀ (consumer 1): rows keys, columns queries
+    if (wg == 0)
+      M::nt_into(x, sk, sq(buf));
+    else
+      M::nt_into(x, sv, sdo(buf));
+    M::template wait_first<0, 64>(x);
+    const auto live = [&](int e) { return M::elem_col(e) < qv; };
+    if (wg == 0) {
+#pragma unroll
+      for (int e = 0; e < M::score_elems; ++e)
+        x.x[e] = live(e) ? fast_exp2(x.x[e] * p.scale_log2 - stat[M::elem_col(e)]) : 0.f;
+      tma::wait(&p_empty, static_cast<uint32_t>((n & 1) ^ 1)); // consumer 1 has read the previous P
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        uint32_t w[4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) w[r] = fp16_type::pack(x.x[8 * c + 2 * r], x.x[8 * c + 2 * r + 1]);
+        sp[c * 128 + wtid] = make_uint4(w[0], w[1], w[2], w[3]);
+      }
+      tma::arrive(&p_full);
+      if (qv < 64) {
+        tma::zero_rows<D>(sdo(buf), qv, wtid, 128);
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); // the zeros are read by wgmma
+        tma::named_sync(2, 128);
+      }
+      M::nn(acc, x, sdo(buf));
+    } else {
+      tma::wait(&p_full, static_cast<uint32_t>(n & 1));
+      float pr[M::score_elems];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const uint4 v = sp[c * 128 + wtid];
+        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          pr[8 * c + 2 * r] = fp16_type::to_float(static_cast<uint16_t>(w[r] & 0xffffu));
+          pr[8 * c + 2 * r + 1] = fp16_type::to_float(static_cast<uint16_t>(w[r] >> 16));
+        }
+      }
+      tma::arrive(&p_empty);
+#pragma unroll
+      for (int e = 0; e < M::score_elems; ++e) x.x[e] = live(e) ? pr[e] * (x.x[e] - stat[M::elem_col(e)]) : 0.f;
+      if (qv < 64) {
+        tma::zero_rows<D>(sq(buf), qv, wtid, 128);
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        tma::named_sync(3, 128);
+      }
+      M::nn(acc, x, sq(buf));
+    }
+    // Every thread, after its reads of the stage's statistics and the wait that completes its products: one
+    // arrival from a warpgroup would order the others' reads only through the products' warpgroup-wide issue,
+    // which is more than a race detector (and the memory model) can see.
+    tma::arrive(&empty[buf]);
+  }
+
+  const int64_t bhk = b * p.kv_heads + hk;
+  if (wg == 0)
+    store_band<E, D, M, sparse_schedule>(acc, 1.f, row0, kv, p.dv, p.dv.tile(b, hk, j), nullptr, p.fold_v,
+                                         bhk * s.tiles + j);
+  else
+    store_band<E, D, M, sparse_schedule>(acc, p.scale, row0, kv, p.dk, p.dk.tile(b, hk, j), nullptr, p.fold_k,
+                                         bhk * s.tiles + j);
+#else
+  (void)p, (void)s;
+#endif
+}
+
+} // namespace hopper
+} // namespace detail
+} // namespace gpu
+} // namespace vsa
