@@ -150,6 +150,15 @@ template <class Kernel> status runs_as_hopper(Kernel k, bool& hopper) {
 
 // ---- device-side intrinsics ----------------------------------------------------------------------------
 
+// Stops the kernel with an error the next runtime call reports: for device code that must never run.
+__device__ __forceinline__ void device_trap() {
+#if VSA_PLATFORM_NVIDIA
+  __trap();
+#else
+  __builtin_trap();
+#endif
+}
+
 #if VSA_PLATFORM_AMD
 inline constexpr int warp_size = 64; // CDNA wavefronts
 #else

@@ -111,8 +111,8 @@ __device__ __forceinline__ void wait(uint64_t* bar, uint32_t phase) {
                  : "memory");
   } while (!done);
 }
-// This thread's plain arrival (no bytes announced); its earlier writes to shared memory are visible to a thread
-// that then sees the phase complete.
+// This thread's plain arrival (no bytes announced): its earlier accesses to shared memory are ordered before
+// anything a thread that then sees the phase complete does.
 __device__ __forceinline__ void arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_address(bar)) : "memory");
 }

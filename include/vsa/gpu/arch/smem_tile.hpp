@@ -131,7 +131,8 @@ template <int D> struct smem_plan {
   static constexpr int backward_stages(bool hopper) {
     return !hopper && (2 + 2 * 2) * tile + stats + smem_slack <= max_block_smem ? 2 : 1;
   }
-  // dk/dv takes two stages of Q and dO wherever they fit, Hopper's D = 128 included: its registers (254 a
+  // The portable dk/dv (the Hopper sparse pass at D = 128 has a kernel and plan of its own: hopper/dkdv.hpp)
+  // takes two stages of Q and dO wherever they fit, Hopper's D = 128 included: its registers (254 a
   // thread) hold it at two blocks an SM whatever its shared memory, so the second stage costs no block, and
   // the next pair's tiles stream in through the copy engine during the whole of a step: 1.04x on the H200
   // (bench/NOTES.md, v15). Hopper's D = 64 keeps one: its second stage goes through cp.async (no copy engine

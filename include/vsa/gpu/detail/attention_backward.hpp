@@ -4,6 +4,9 @@
 // result is bitwise the same on every run. Both recompute P from the saved log-sum-exp.
 //
 // A third, small kernel forms delta_i = Σ_d dO_id · o_id, the row term of dS = P ∘ (dP − delta).
+//
+// On Hopper the sparse pass at head dim 128 runs dk/dv as the warp-specialized kernel of hopper/dkdv.hpp
+// (attention_launch.hpp chooses); the dk/dv kernel here serves every other case.
 #pragma once
 
 #include "../arch/matrix.hpp"
@@ -233,7 +236,8 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads))
   store_band<E, D, M, Sched>(dq, p.scale, row0, q_valid, p.dq, p.dq.tile(b, h, i), f32, p.fold_q, bh * s.tiles + i);
 }
 
-// Its steps stay 64 wide: narrowing them by the query tile's valid rows gained 1% on wan2.1 and made the
+// The portable dk/dv (hopper/dkdv.hpp replaces it for Hopper's sparse pass at D = 128). Its steps stay 64 wide:
+// narrowing them by the query tile's valid rows gained 1% on wan2.1 and made the
 // kernel spill on gfx940 (bench/NOTES.md, v12). Where two stages fit (smem_plan::dkdv_stages) the next pair's
 // Q, dO and row statistics are asked for at the start of a step, into the other stage, and waited for at its
 // end; each step's four products go as two pairs (nt_pair, nn_pair), one wait each.

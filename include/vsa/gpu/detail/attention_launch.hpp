@@ -97,11 +97,6 @@ template <class E, int D, class Sched> status launch_backward(const backward_par
   status st = runs_as_hopper(dq, hopper);
   if (!st) return st;
   const int smem = smem_plan<D>::backward_bytes(hopper), dkdv_smem = smem_plan<D>::dkdv_bytes(hopper);
-  st = prepare(dq, smem);
-  if (st) st = prepare(dkdv, dkdv_smem);
-  if (!st) return st;
-  const dim3 qgrid(static_cast<unsigned>(q_sched.tiles), static_cast<unsigned>(bp.q_heads),
-                   static_cast<unsigned>(batch));
   backward_params b = bp;
   b.tma = 0;
   // On Hopper the tiles go through the copy engine where all four maps encode (hopper_tma.hpp). The maps end
@@ -114,23 +109,36 @@ template <class E, int D, class Sched> status launch_backward(const backward_par
   if (hopper && map(b.k_map, bp.k, bp.kv_heads) && map(b.v_map, bp.v, bp.kv_heads) && map(b.q_map, bp.q, bp.q_heads) &&
       map(b.do_map, bp.d_o, bp.q_heads))
     b.tma = 1;
+  // The sparse pass at head dim 128 on Hopper takes the warp-specialized dk/dv (hopper/dkdv.hpp) where the maps
+  // encoded and its Hopper body was compiled (sm_90a: the body declares its barriers in static shared memory; a
+  // build for sm_90 without the architecture-specific features compiles it empty, and it is not launched). Decided
+  // before anything is launched, so that a failed query leaves no kernel of the pass behind.
+  bool split = false;
+  if constexpr (!Sched::few_blocks && D == 128) {
+    // Its pair counter is 32-bit: a key tile's pairs are at most group · tiles · capacity (the lists' clamp).
+    const bool pairs_fit = bp.group * k_sched.tiles * k_sched.capacity < (int64_t(1) << 31);
+    if (hopper && b.tma != 0 && bp.order != nullptr && bp.dk_f32 == nullptr && bp.dv_f32 == nullptr && pairs_fit) {
+      int split_static = 0;
+      st = runtime_status(kernel_static_smem(hopper::hopper_dkdv_kernel<E, D>, &split_static),
+                          "querying a kernel's shared memory");
+      if (!st) return st;
+      split = split_static > 0;
+      if (split) st = prepare(hopper::hopper_dkdv_kernel<E, D>, hopper::dkdv_plan<D>::bytes);
+      if (!st) return st;
+    }
+  }
+  st = prepare(dq, smem);
+  if (st && !split) st = prepare(dkdv, dkdv_smem);
+  if (!st) return st;
+  const dim3 qgrid(static_cast<unsigned>(q_sched.tiles), static_cast<unsigned>(bp.q_heads),
+                   static_cast<unsigned>(batch));
   dq<<<qgrid, 4 * M::threads, smem, stream>>>(b, q_sched);
   st = launch_status("attention backward (dq)");
   if (!st) return st;
   if constexpr (!Sched::few_blocks && D == 128) {
-    // The sparse pass at head dim 128 on Hopper: the warp-specialized dk/dv (hopper/dkdv.hpp), where its Hopper
-    // body was compiled (sm_90a: it then declares its barriers in static shared memory; a build for sm_90 without
-    // the architecture-specific features compiles it empty) and Q and dO go through the copy engine.
-    const auto split = hopper::hopper_dkdv_kernel<E, D>;
-    int split_static = 0;
-    st = runtime_status(kernel_static_smem(split, &split_static), "querying a kernel's shared memory");
-    if (!st) return st;
-    if (hopper && split_static > 0 && b.tma != 0 && bp.order != nullptr) {
-      const int split_smem = hopper::dkdv_plan<D>::bytes;
-      st = prepare(split, split_smem);
-      if (!st) return st;
-      split<<<static_cast<unsigned>(k_sched.tiles * bp.kv_heads * batch), hopper::dkdv_threads, split_smem, stream>>>(
-          b, k_sched);
+    if (split) {
+      hopper::hopper_dkdv_kernel<E, D><<<static_cast<unsigned>(k_sched.tiles * bp.kv_heads * batch),
+                                         hopper::dkdv_threads, hopper::dkdv_plan<D>::bytes, stream>>>(b, k_sched);
       return launch_status("attention backward (dk, dv)");
     }
   }

@@ -3,8 +3,8 @@
 //
 //   producer   its first warp, once both consumers have freed a stage of the ring (empty barrier), asks the copy
 //              engine for the next pair's Q and dO, reads the pair's row statistics (log-sum-exp, delta) and the
-//              query tile's valid count into the stage, and arrives on the stage's full barrier; it then gives
-//              most of its registers to the consumers (setmaxnreg);
+//              query tile's valid count into the stage, and arrives on the stage's full barrier; the warpgroup
+//              first gives most of its registers to the consumers (setmaxnreg);
 //   consumer 0 owns dV: Sᵀ = K·Qᵀ, P = exp2(Sᵀ·scale·log2 e − lse), hands P to consumer 1 in fp16, dV += Pᵀ·dO;
 //   consumer 1 owns dK: dPᵀ = V·dOᵀ, dS = P ∘ (dPᵀ − delta), dK += dSᵀ·Q.
 //
@@ -12,19 +12,22 @@
 // other, and holds dK and dV (128 registers a thread) at once, two blocks an SM. Here each consumer holds one
 // accumulator and runs two products; the chains overlap (the next Sᵀ under dK's product, dPᵀ under the softmax),
 // and the loads that fed each step (list entry, statistics, the copy's issue) sit on a warp of their own. On
-// the H200 (wan2.1-1.3b-480p, uniform lists): 4.09-4.11 ms against 4.64-4.70 for the portable kernel
-// (bench/NOTES.md, v17).
+// the H200 (wan2.1-1.3b-480p, uniform lists): 4.09-4.34 ms against 4.64-4.79 for the portable kernel in the
+// same runs (bench/NOTES.md, v17).
 //
 // P goes through shared memory in fp16 whatever the element type: P ≤ 1, so fp16 rounds it to 2^-11 relative
-// (2^-25 absolute below its normal range), finer than the 16-bit rounding dS gets anyway for its product. dV's
+// (2^-25 absolute below its normal range), no coarser than the 16-bit rounding dS gets anyway for its product. dV's
 // product takes P from consumer 0's registers rounded to the element type, exactly as the portable kernel's:
 // dV is bitwise that kernel's, dK within rounding of it. Each output element is summed by one thread in a
 // fixed order, so results are bitwise reproducible.
 //
 // Padding rows of a partial query tile: Q and dO land whole (a box is a whole tile); the consumers mask their
 // scores by the query's valid count, and each zeroes the padding rows of the tile its second product reads
-// (dO for dV, Q for dK) before that product. A partial key tile is zero-filled by copy_tile, and its padding
-// rows of dK and dV are not stored.
+// (dO for dV, Q for dK) before that product. The other consumer's first product may read those rows while they
+// are being zeroed (consumer 0 zeroes dO's with nothing ordering it against consumer 1's dPᵀ): what it reads
+// there lands only in the masked columns, which the masks replace by a select, never a product, so the old
+// value, a zero or a NaN all give the same result. Keep the masks selects. A partial key tile is zero-filled by
+// copy_tile, and its padding rows of dK and dV are not stored.
 #pragma once
 
 #include "../attention_backward.hpp"
@@ -34,10 +37,12 @@ namespace gpu {
 namespace detail {
 namespace hopper {
 
-// The ring of Q/dO stages, measured on the H200 (bench/NOTES.md, v17): 3 stages 4.48 ms, 4 stages 4.09-4.11,
-// 5 stages 4.34-4.40.
+// The ring of Q/dO stages, measured on the H200 (bench/NOTES.md, v17, with one arrival a consumer on `empty`):
+// 3 stages 4.48 ms, 4 stages 4.09-4.11, 5 stages 4.34-4.40.
 inline constexpr int dkdv_stages = 4;
 inline constexpr int dkdv_threads = 384;
+// Named barriers (0 is the block's __syncthreads): both consumers, consumer 0 alone, consumer 1 alone.
+inline constexpr int consumers_barrier = 1, consumer0_barrier = 2, consumer1_barrier = 3;
 
 // What the producer leaves in a stage beside its tiles.
 struct dkdv_stage_info {
@@ -51,6 +56,7 @@ template <int D> struct dkdv_plan {
   static constexpr int p_bytes = 64 * 64 * 2; // P in fp16: 32 halves a consumer thread
   static constexpr int bytes =
       (2 + 2 * dkdv_stages) * tile + p_bytes + dkdv_stages * static_cast<int>(sizeof(dkdv_stage_info)) + smem_slack;
+  static_assert(bytes + 1024 <= 227 * 1024, "Hopper grants a block 227 KiB of shared memory (static included)");
 };
 
 // The (query head, list position) pairs of one key tile, in the portable kernel's order: the lists of every head
@@ -75,7 +81,8 @@ struct dkdv_pairs {
 };
 
 // Launched with dkdv_threads threads and dkdv_plan<D>::bytes of shared memory, a block per entry of p.order; only
-// where the kernel runs as sm_90a code and the maps of q and dO encode (attention_launch.hpp).
+// where the kernel runs as sm_90a code and the tiles' maps encode (backward_params::tma; attention_launch.hpp). The
+// launcher tells the compiled body from the empty one of other builds by the barriers' static shared memory.
 template <class E, int D> __global__ void __launch_bounds__(dkdv_threads, 1)
     hopper_dkdv_kernel(const VSA_GRID_CONSTANT backward_params p, const VSA_GRID_CONSTANT sparse_schedule s) {
   static_assert(D == 128, "the split pays at head dim 128; D = 64 keeps the portable kernel");
@@ -87,8 +94,9 @@ template <class E, int D> __global__ void __launch_bounds__(dkdv_threads, 1)
   const smem_tile<D> sk{sm}, sv{sm + 64 * D};
   const auto sq = [&](int buf) { return smem_tile<D>{sm + (2 + 2 * buf) * 64 * D}; };
   const auto sdo = [&](int buf) { return smem_tile<D>{sm + (3 + 2 * buf) * 64 * D}; };
+  static_assert(M::score_elems == 32, "P's hand-over: four 16-byte chunks of fp16 a consumer thread");
   uint4* sp = reinterpret_cast<uint4*>(sm + (2 + 2 * stages) * 64 * D); // chunk c of consumer thread t: sp[c·128 + t]
-  dkdv_stage_info* info = reinterpret_cast<dkdv_stage_info*>(sp + 4 * 128);
+  dkdv_stage_info* info = reinterpret_cast<dkdv_stage_info*>(reinterpret_cast<char*>(sp) + dkdv_plan<D>::p_bytes);
   __shared__ __align__(8) uint64_t full[stages], empty[stages], p_full, p_empty;
 
   const int64_t item = p.order[blockIdx.x];
@@ -114,7 +122,7 @@ template <class E, int D> __global__ void __launch_bounds__(dkdv_threads, 1)
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
     if (wtid >= 32) return;
     const auto counter = s.valid_counter();
-    for (int n = 0; !it.done(); it.next(), ++n) {
+    for (int n = 0; !it.done(); it.next(), ++n) { // under 2^31 pairs: the launcher's condition
       const int buf = n % stages, round = n / stages;
       if (round > 0) tma::wait(&empty[buf], static_cast<uint32_t>((round - 1) & 1));
       const int64_t h = hk * p.group + it.g, i = s.at(it.pos), row = (b * p.q_heads + h) * rows_total + i * 64;
@@ -138,7 +146,7 @@ template <class E, int D> __global__ void __launch_bounds__(dkdv_threads, 1)
   copy_tile(sv, p.v.tile(b, hk, j), p.v.token, kv, tid, 256);
   copy_commit();
   copy_wait<0>();
-  tma::named_sync(1, 256);
+  tma::named_sync(consumers_barrier, 256);
 
   typename M::out_tile acc; // dV in consumer 0, dK in consumer 1
 #pragma unroll
@@ -150,6 +158,7 @@ template <class E, int D> __global__ void __launch_bounds__(dkdv_threads, 1)
     const int qv = info[buf].valid;
     const float* stat = wg == 0 ? info[buf].lse2 : info[buf].delta;
     typename M::score_tile x; // Sᵀ, then P (consumer 0); dPᵀ, then dSᵀ (consumer 1): rows keys, columns queries
+    // (ptxas notes a wait of its own where the branches meet, C7517: the product's registers, already waited for.)
     if (wg == 0)
       M::nt_into(x, sk, sq(buf));
     else
@@ -172,7 +181,7 @@ template <class E, int D> __global__ void __launch_bounds__(dkdv_threads, 1)
       if (qv < 64) {
         tma::zero_rows<D>(sdo(buf), qv, wtid, 128);
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); // the zeros are read by wgmma
-        tma::named_sync(2, 128);
+        tma::named_sync(consumer0_barrier, 128);
       }
       M::nn(acc, x, sdo(buf));
     } else {
@@ -194,7 +203,7 @@ template <class E, int D> __global__ void __launch_bounds__(dkdv_threads, 1)
       if (qv < 64) {
         tma::zero_rows<D>(sq(buf), qv, wtid, 128);
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        tma::named_sync(3, 128);
+        tma::named_sync(consumer1_barrier, 128);
       }
       M::nn(acc, x, sq(buf));
     }
@@ -213,6 +222,7 @@ template <class E, int D> __global__ void __launch_bounds__(dkdv_threads, 1)
                                          bhk * s.tiles + j);
 #else
   (void)p, (void)s;
+  device_trap(); // never launched: its launcher keys on the Hopper body's static shared memory
 #endif
 }
 
