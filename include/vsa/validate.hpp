@@ -280,6 +280,34 @@ inline status check_combine_backward_disjoint(const problem& p, const const_tens
 inline std::size_t lse_bytes(const problem& p) {
   return sizeof(float) * static_cast<std::size_t>(p.batch * p.q_heads * tile_geometry(p.grid).tiled_tokens());
 }
+// block_means: the means (and their fp32 copies) against each other and the tensors they are taken of.
+inline status check_means_disjoint(const problem& p, const const_tensor& q, const const_tensor& k,
+                                   const const_tensor& v, const void* q_c, const void* k_c, const void* v_c,
+                                   const float* q_c_f32, const float* k_c_f32) {
+  const std::size_t n = static_cast<std::size_t>(tile_geometry(p.grid).num_tiles()), e = dtype_size(p.type);
+  const std::size_t qn = static_cast<std::size_t>(p.batch * p.q_heads * p.head_dim) * n,
+                    kn = static_cast<std::size_t>(p.batch * p.kv_heads * p.head_dim) * n;
+  return check_disjoint({buffer_footprint("q_c", q_c, qn * e), buffer_footprint("k_c", k_c, kn * e),
+                         buffer_footprint("v_c", v_c, kn * e), buffer_footprint("q_c_f32", q_c_f32, qn * sizeof(float)),
+                         buffer_footprint("k_c_f32", k_c_f32, kn * sizeof(float))},
+                        {view_footprint("q", q, p, p.q_heads), view_footprint("k", k, p, p.kv_heads),
+                         view_footprint("v", v, p, p.kv_heads)});
+}
+// select_top_k: q2k, q2k_count and the workspace (null and 0 for the reference) against each other and the scores.
+inline status check_top_k_disjoint(const problem& p, const float* scores, const index_lists& idx, const void* workspace,
+                                   std::size_t workspace_bytes) {
+  const std::size_t n = static_cast<std::size_t>(tile_geometry(p.grid).num_tiles());
+  const list_footprints l = lists_footprint(p, as_const(idx), false);
+  return check_disjoint(
+      {l.q2k, l.count, buffer_footprint("workspace", workspace, workspace_bytes)},
+      {buffer_footprint("scores", scores, sizeof(float) * static_cast<std::size_t>(p.batch * p.q_heads) * n * n)});
+}
+// build_k2q: k2q, k2q_offset and the workspace against each other and the q2k lists they are built from.
+inline status check_k2q_disjoint(const problem& p, const index_lists& idx, const void* workspace,
+                                 std::size_t workspace_bytes) {
+  const list_footprints l = lists_footprint(p, as_const(idx), true);
+  return check_disjoint({l.k2q, l.offset, buffer_footprint("workspace", workspace, workspace_bytes)}, {l.q2k, l.count});
+}
 inline status check_sparse_forward_disjoint(const problem& p, const const_tensor& q, const const_tensor& k,
                                             const const_tensor& v, const const_index_lists& idx, const tensor& o_s,
                                             const float* lse) {

@@ -475,3 +475,49 @@ TEST_CASE("an output sharing memory with another argument is rejected by name, i
   REQUIRE(reference::combine(p, in_place.cview(), w.gate.cview(), w.o_c.data(), in_place.view()).is_ok());
   CHECK(in_place.bytes == w.o.bytes);
 }
+
+TEST_CASE("the selection stages reject an output over another argument, by name", "[cpu][errors]") {
+  VSA_TEST_RNG(g, "errors selection aliasing");
+  const problem p = make_problem({5, 6, 7}, 2, 4, 2, 8, dtype::fp16);
+  world w(p, g);
+  const auto expect = [&](const status& s, const char* output, const char* other) {
+    INFO(errc_name(s.code()) << ": " << s.message());
+    CHECK(s.code() == errc::aliased);
+    CHECK(test::mentions(s, output));
+    CHECK(test::mentions(s, other));
+  };
+  const std::vector<unsigned char> before = w.snapshot();
+  // block_means: a mean over the tensor it is taken of, over another mean, an fp32 copy over a mean.
+  void* q_bytes = const_cast<void*>(static_cast<const void*>(w.q.data()));
+  expect(reference::block_means(p, w.q.cview(), w.k.cview(), w.v.cview(), q_bytes, w.k_c.data(), w.v_c.data()), "q_c",
+         "q");
+  expect(reference::block_means(p, w.q.cview(), w.k.cview(), w.v.cview(), w.q_c.data(), w.k_c.data(), w.k_c.data()),
+         "k_c", "v_c");
+  expect(reference::block_means(p, w.q.cview(), w.k.cview(), w.v.cview(), w.q_c.data(), w.k_c.data(), w.v_c.data(),
+                                w.dq_c.data(), reinterpret_cast<float*>(w.q_c.data())),
+         "q_c", "k_c_f32");
+  // select_top_k: the lists over the scores or over each other.
+  index_lists idx = w.lists();
+  index_lists over_scores = idx;
+  over_scores.q2k = reinterpret_cast<int32_t*>(w.scores.data());
+  expect(reference::select_top_k(p, w.top_k, w.scores.data(), over_scores), "q2k", "scores");
+  index_lists counts_over_lists = idx;
+  counts_over_lists.q2k_count = idx.q2k + 1;
+  expect(reference::select_top_k(p, w.top_k, w.scores.data(), counts_over_lists), "q2k", "q2k_count");
+  // build_k2q: its outputs over the q2k lists they are built from, or over each other.
+  index_lists k2q_over_q2k = idx;
+  k2q_over_q2k.k2q = idx.q2k;
+  expect(reference::build_k2q(p, k2q_over_q2k), "k2q", "q2k");
+  index_lists offset_over_counts = idx;
+  offset_over_counts.k2q_offset = idx.q2k_count;
+  expect(reference::build_k2q(p, offset_over_counts), "k2q_offset", "q2k_count");
+  index_lists offset_over_k2q = idx;
+  offset_over_k2q.k2q_offset = idx.k2q + 2;
+  expect(reference::build_k2q(p, offset_over_k2q), "k2q", "k2q_offset");
+  CHECK(w.snapshot() == before);
+  // Disjoint arguments still work.
+  CHECK(reference::block_means(p, w.q.cview(), w.k.cview(), w.v.cview(), w.q_c.data(), w.k_c.data(), w.v_c.data(),
+                               w.dq_c.data(), w.dk_c.data())
+            .is_ok());
+  CHECK(reference::build_k2q(p, idx).is_ok());
+}

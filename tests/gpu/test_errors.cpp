@@ -358,10 +358,14 @@ TEST_CASE("untile rejects bad arguments untouched", "[gpu][errors]") {
 
 TEST_CASE("block_means rejects bad arguments untouched", "[gpu][errors]") {
   const entry_point call = [](arguments& a) { return block_means(a.p, a.q, a.k, a.v, a.q_c, a.k_c, a.v_c, nullptr); };
+  const std::vector<bad_case> aliasing = {
+      {"q_c over q", [](arguments& a) { a.q_c = const_cast<void*>(a.q.data); }, errc::aliased, "q_c", true},
+      {"v_c over k_c", [](arguments& a) { a.v_c = a.k_c; }, errc::aliased, "k_c and v_c", false},
+  };
   run_cases(call,
             join(problem_cases(), tensor_cases("q", &arguments::q), tensor_cases("k", &arguments::k),
                  tensor_cases("v", &arguments::v), pointer_cases("q_c", &arguments::q_c),
-                 pointer_cases("k_c", &arguments::k_c), pointer_cases("v_c", &arguments::v_c)),
+                 pointer_cases("k_c", &arguments::k_c), pointer_cases("v_c", &arguments::v_c), aliasing),
             false);
 }
 
@@ -412,18 +416,29 @@ TEST_CASE("select_top_k rejects bad arguments untouched", "[gpu][errors]") {
        true},
       {"q2k_capacity N + 1", [n](arguments& a) { a.idx.q2k_capacity = n + 1; }, errc::bad_index, "q2k_capacity", true},
   };
+  const std::vector<bad_case> aliasing = {
+      {"q2k over the scores", [](arguments& a) { a.idx.q2k = reinterpret_cast<int32_t*>(a.scores); }, errc::aliased,
+       "q2k", true},
+      {"q2k_count inside q2k", [](arguments& a) { a.idx.q2k_count = a.idx.q2k + 1; }, errc::aliased,
+       "q2k and q2k_count", false},
+  };
   run_cases(call,
             join(problem_cases(), k, pointer_cases("scores", &arguments::scores), list_cases("q2k", &index_lists::q2k),
-                 list_cases("q2k_count", &index_lists::q2k_count), workspace_cases()),
+                 list_cases("q2k_count", &index_lists::q2k_count), workspace_cases(), aliasing),
             true);
 }
 
 TEST_CASE("build_k2q rejects bad arguments untouched", "[gpu][errors]") {
   const entry_point call = [](arguments& a) { return build_k2q(a.p, a.idx, a.workspace, a.workspace_bytes, nullptr); };
+  const std::vector<bad_case> aliasing = {
+      {"k2q over q2k", [](arguments& a) { a.idx.k2q = a.idx.q2k; }, errc::aliased, "k2q", true},
+      {"k2q_offset inside k2q", [](arguments& a) { a.idx.k2q_offset = a.idx.k2q + 1; }, errc::aliased,
+       "k2q and k2q_offset", false},
+  };
   run_cases(call,
             join(problem_cases(), capacity_cases(tiles_of_default()), list_cases("q2k", &index_lists::q2k),
                  list_cases("q2k_count", &index_lists::q2k_count), list_cases("k2q", &index_lists::k2q),
-                 list_cases("k2q_offset", &index_lists::k2q_offset), workspace_cases()),
+                 list_cases("k2q_offset", &index_lists::k2q_offset), workspace_cases(), aliasing),
             true);
 }
 

@@ -128,6 +128,7 @@ inline status block_means(const problem& p, const_tensor q, const_tensor k, cons
   if (s) s = check_pointer("v_c", v_c, 16);
   if (s && q_c_f32 != nullptr) s = check_pointer("q_c_f32", q_c_f32, 16);
   if (s && k_c_f32 != nullptr) s = check_pointer("k_c_f32", k_c_f32, 16);
+  if (s) s = check_means_disjoint(p, q, k, v, q_c, k_c, v_c, q_c_f32, k_c_f32);
   if (!s) return s;
   namespace gd = gpu::detail;
   const gd::means_params mp{{gd::make_vector_view<const uint4>(q), static_cast<uint16_t*>(q_c), q_c_f32, p.q_heads},

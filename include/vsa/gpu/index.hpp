@@ -337,6 +337,7 @@ inline status build_k2q(const problem& p, index_lists idx, void* workspace, std:
   if (!(s = check_pointer("q2k_count", idx.q2k_count, 4))) return s;
   if (!(s = check_pointer("k2q", idx.k2q, 4))) return s;
   if (!(s = check_pointer("k2q_offset", idx.k2q_offset, 4))) return s;
+  if (!(s = check_k2q_disjoint(p, idx, workspace, layout.total()))) return s;
 
   namespace gd = gpu::detail;
   unsigned char* w = static_cast<unsigned char*>(workspace);

@@ -343,6 +343,7 @@ inline status select_top_k(const problem& p, int64_t top_k, const float* scores,
   if (!(s = check_pointer("scores", scores, 4))) return s;
   if (!(s = check_pointer("q2k", idx.q2k, 4))) return s;
   if (!(s = check_pointer("q2k_count", idx.q2k_count, 4))) return s;
+  if (!(s = check_top_k_disjoint(p, scores, idx, workspace, gpu::detail::top_k_workspace_bytes))) return s;
 
   namespace gd = gpu::detail;
   gd::top_k_params tp{scores,

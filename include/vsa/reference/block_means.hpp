@@ -41,6 +41,7 @@ inline status block_means(const problem& p, const_tensor q, const_tensor k, cons
   if (!(s = detail::check_array("q_c", q_c))) return s;
   if (!(s = detail::check_array("k_c", k_c))) return s;
   if (!(s = detail::check_array("v_c", v_c))) return s;
+  if (!(s = check_means_disjoint(p, q, k, v, q_c, k_c, v_c, q_c_f32, k_c_f32))) return s;
   return detail::guarded("block_means", [&]() {
     detail::tile_means(p, p.q_heads, q, q_c, p.type);
     detail::tile_means(p, p.kv_heads, k, k_c, p.type);

@@ -15,6 +15,7 @@ inline status build_k2q(const problem& p, index_lists idx) {
   if (!(s = check_q2k_host(p, as_const(idx)))) return s;
   if (!(s = detail::check_array("k2q", idx.k2q))) return s;
   if (!(s = detail::check_array("k2q_offset", idx.k2q_offset))) return s;
+  if (!(s = check_k2q_disjoint(p, idx, nullptr, 0))) return s;
   return detail::guarded("build_k2q", [&]() {
     const int64_t n = tile_geometry(p.grid).num_tiles(), cap = idx.q2k_capacity;
     detail::parallel_for(p.batch * p.q_heads, [&](int64_t begin, int64_t end) {

@@ -51,6 +51,7 @@ inline status select_top_k(const problem& p, int64_t top_k, const float* scores,
   if (idx.q2k_capacity < top_k || idx.q2k_capacity > n)
     return status::error(errc::bad_index, "q2k_capacity: must be in top_k..N = %lld..%lld, got %lld", (long long)top_k,
                          (long long)n, (long long)idx.q2k_capacity);
+  if (!(s = check_top_k_disjoint(p, scores, idx, nullptr, 0))) return s;
   return detail::guarded("select_top_k", [&]() {
     detail::select_core(p, top_k, scores, idx);
     return status::ok();
