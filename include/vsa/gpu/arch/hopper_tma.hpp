@@ -193,14 +193,19 @@ __device__ __forceinline__ void zero_rows(smem_tile<D> t, int valid, int tid, in
   for (int x = tid; x < (rows - valid) * chunks; x += nthreads)
     *reinterpret_cast<uint4*>(t.chunk(valid + x / chunks, x % chunks)) = make_uint4(0u, 0u, 0u, 0u);
 }
-// zero_rows, then the block meets so that every thread's zeros are in place before any warp's product reads
-// them. `valid` is the same for every thread: the barrier is reached by all or none.
-template <int D>
-__device__ __forceinline__ void clear_rows(smem_tile<D> t, int valid, int tid, int nthreads, int rows = tile_rows) {
+// zero_rows, then the threads that share the tile meet (`meet`: the block's barrier, or a named one of the
+// nthreads threads) so that every thread's zeros are in place before any warp's product reads them. `valid` is
+// the same for every thread: the barrier is reached by all or none.
+template <int D, class Meet>
+__device__ __forceinline__ void clear_rows_then(smem_tile<D> t, int valid, int tid, int nthreads, int rows, Meet meet) {
   if (valid >= rows) return;
   zero_rows<D>(t, valid, tid, nthreads, rows);
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  __syncthreads();
+  meet();
+}
+template <int D>
+__device__ __forceinline__ void clear_rows(smem_tile<D> t, int valid, int tid, int nthreads, int rows = tile_rows) {
+  clear_rows_then<D>(t, valid, tid, nthreads, rows, [] { __syncthreads(); });
 }
 
 // The pipelines' use of the above: two tiles (K and V, or Q and dO) of one (token block, head, batch), asked

@@ -113,8 +113,9 @@ template <class E, int D, class Sched> status launch_backward(const backward_par
   // encoded and its Hopper body was compiled (sm_90a: the body declares its barriers in static shared memory; a
   // build for sm_90 without the architecture-specific features compiles it empty, and it is not launched). Decided
   // before anything is launched, so that a failed query leaves no kernel of the pass behind.
+  constexpr bool has_split = !Sched::few_blocks && D == 128; // the kernel's instantiations
   bool split = false;
-  if constexpr (!Sched::few_blocks && D == 128) {
+  if constexpr (has_split) {
     // Its pair counter is 32-bit: a key tile's pairs are at most group · tiles · capacity (the lists' clamp).
     const bool pairs_fit = bp.group * k_sched.tiles * k_sched.capacity < (int64_t(1) << 31);
     if (hopper && b.tma != 0 && bp.order != nullptr && bp.dk_f32 == nullptr && bp.dv_f32 == nullptr && pairs_fit) {
@@ -135,7 +136,7 @@ template <class E, int D, class Sched> status launch_backward(const backward_par
   dq<<<qgrid, 4 * M::threads, smem, stream>>>(b, q_sched);
   st = launch_status("attention backward (dq)");
   if (!st) return st;
-  if constexpr (!Sched::few_blocks && D == 128) {
+  if constexpr (has_split) {
     if (split) {
       hopper::hopper_dkdv_kernel<E, D><<<static_cast<unsigned>(k_sched.tiles * bp.kv_heads * batch),
                                          hopper::dkdv_threads, hopper::dkdv_plan<D>::bytes, stream>>>(b, k_sched);

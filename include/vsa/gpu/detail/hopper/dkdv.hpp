@@ -178,11 +178,7 @@ template <class E, int D> __global__ void __launch_bounds__(dkdv_threads, 1)
         sp[c * 128 + wtid] = make_uint4(w[0], w[1], w[2], w[3]);
       }
       tma::arrive(&p_full);
-      if (qv < 64) {
-        tma::zero_rows<D>(sdo(buf), qv, wtid, 128);
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); // the zeros are read by wgmma
-        tma::named_sync(consumer0_barrier, 128);
-      }
+      tma::clear_rows_then<D>(sdo(buf), qv, wtid, 128, tile_rows, [] { tma::named_sync(consumer0_barrier, 128); });
       M::nn(acc, x, sdo(buf));
     } else {
       tma::wait(&p_full, static_cast<uint32_t>(n & 1));
@@ -200,11 +196,7 @@ template <class E, int D> __global__ void __launch_bounds__(dkdv_threads, 1)
       tma::arrive(&p_empty);
 #pragma unroll
       for (int e = 0; e < M::score_elems; ++e) x.x[e] = live(e) ? pr[e] * (x.x[e] - stat[M::elem_col(e)]) : 0.f;
-      if (qv < 64) {
-        tma::zero_rows<D>(sq(buf), qv, wtid, 128);
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        tma::named_sync(consumer1_barrier, 128);
-      }
+      tma::clear_rows_then<D>(sq(buf), qv, wtid, 128, tile_rows, [] { tma::named_sync(consumer1_barrier, 128); });
       M::nn(acc, x, sq(buf));
     }
     // Every thread, after its reads of the stage's statistics and the wait that completes its products: one
