@@ -139,7 +139,7 @@ template <class E, int D, class Sched> status launch_backward(const backward_par
   if constexpr (has_split) {
     if (split) {
       hopper::hopper_dkdv_kernel<E, D><<<static_cast<unsigned>(k_sched.tiles * bp.kv_heads * batch),
-                                         hopper::dkdv_threads, hopper::dkdv_plan<D>::bytes, stream>>>(b, k_sched);
+                                         hopper::block_threads, hopper::dkdv_plan<D>::bytes, stream>>>(b, k_sched);
       return launch_status("attention backward (dk, dv)");
     }
   }

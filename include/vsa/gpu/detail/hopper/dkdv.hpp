@@ -10,10 +10,10 @@
 //
 // The portable kernel runs all four products and both softmax steps of a pair in one warpgroup, one after the
 // other, and holds dK and dV (128 registers a thread) at once, two blocks an SM. Here each consumer holds one
-// accumulator and runs two products; the chains overlap (the next Sᵀ under dK's product, dPᵀ under the softmax),
-// and the loads that fed each step (list entry, statistics, the copy's issue) sit on a warp of their own. On
-// the H200 (wan2.1-1.3b-480p, uniform lists): 4.09-4.34 ms against 4.64-4.79 for the portable kernel in the
-// same runs (bench/NOTES.md, v17).
+// accumulator and runs two products, the first with the block's own tile (K or V) from registers, each pair's
+// first product issued with the previous pair's second (consumers.hpp); the loads that fed each step (list entry,
+// statistics, the copy's issue) sit on a warp of their own. On the H200 (wan2.1-1.3b-480p, uniform lists):
+// 3.66-3.84 ms against 4.72-4.86 for the portable kernel in the same runs (bench/NOTES.md, v18).
 //
 // P goes through shared memory in fp16 whatever the element type: P ≤ 1, so fp16 rounds it to 2^-11 relative
 // (2^-25 absolute below its normal range), no coarser than the 16-bit rounding dS gets anyway for its product. dV's
@@ -30,7 +30,7 @@
 // copy_tile, and its padding rows of dK and dV are not stored.
 #pragma once
 
-#include "../attention_backward.hpp"
+#include "consumers.hpp"
 
 namespace vsa {
 namespace gpu {
@@ -40,9 +40,6 @@ namespace hopper {
 // The ring of Q/dO stages, measured on the H200 (bench/NOTES.md, v17, with one arrival a consumer on `empty`):
 // 3 stages 4.48 ms, 4 stages 4.09-4.11, 5 stages 4.34-4.40.
 inline constexpr int dkdv_stages = 4;
-inline constexpr int dkdv_threads = 384;
-// Named barriers (0 is the block's __syncthreads): both consumers, consumer 0 alone, consumer 1 alone.
-inline constexpr int consumers_barrier = 1, consumer0_barrier = 2, consumer1_barrier = 3;
 
 // What the producer leaves in a stage beside its tiles.
 struct dkdv_stage_info {
@@ -53,9 +50,8 @@ struct dkdv_stage_info {
 
 template <int D> struct dkdv_plan {
   static constexpr int tile = smem_tile<D>::bytes;
-  static constexpr int p_bytes = 64 * 64 * 2; // P in fp16: 32 halves a consumer thread
-  static constexpr int bytes =
-      (2 + 2 * dkdv_stages) * tile + p_bytes + dkdv_stages * static_cast<int>(sizeof(dkdv_stage_info)) + smem_slack;
+  static constexpr int bytes = (2 + 2 * dkdv_stages) * tile + score_handoff_bytes +
+                               dkdv_stages * static_cast<int>(sizeof(dkdv_stage_info)) + smem_slack;
   static_assert(bytes + 1024 <= 227 * 1024, "Hopper grants a block 227 KiB of shared memory (static included)");
 };
 
@@ -80,10 +76,10 @@ struct dkdv_pairs {
   __device__ __forceinline__ bool done() const { return g >= p.group; }
 };
 
-// Launched with dkdv_threads threads and dkdv_plan<D>::bytes of shared memory, a block per entry of p.order; only
+// Launched with block_threads threads and dkdv_plan<D>::bytes of shared memory, a block per entry of p.order; only
 // where the kernel runs as sm_90a code and the tiles' maps encode (backward_params::tma; attention_launch.hpp). The
 // launcher tells the compiled body from the empty one of other builds by the barriers' static shared memory.
-template <class E, int D> __global__ void __launch_bounds__(dkdv_threads, 1)
+template <class E, int D> __global__ void __launch_bounds__(block_threads, 1)
     hopper_dkdv_kernel(const VSA_GRID_CONSTANT backward_params p, const VSA_GRID_CONSTANT sparse_schedule s) {
   static_assert(D == 128, "the split pays at head dim 128; D = 64 keeps the portable kernel");
 #if VSA_WGMMA
@@ -94,10 +90,10 @@ template <class E, int D> __global__ void __launch_bounds__(dkdv_threads, 1)
   const smem_tile<D> sk{sm}, sv{sm + 64 * D};
   const auto sq = [&](int buf) { return smem_tile<D>{sm + (2 + 2 * buf) * 64 * D}; };
   const auto sdo = [&](int buf) { return smem_tile<D>{sm + (3 + 2 * buf) * 64 * D}; };
-  static_assert(M::score_elems == 32, "P's hand-over: four 16-byte chunks of fp16 a consumer thread");
-  uint4* sp = reinterpret_cast<uint4*>(sm + (2 + 2 * stages) * 64 * D); // chunk c of consumer thread t: sp[c·128 + t]
-  dkdv_stage_info* info = reinterpret_cast<dkdv_stage_info*>(reinterpret_cast<char*>(sp) + dkdv_plan<D>::p_bytes);
-  __shared__ __align__(8) uint64_t full[stages], empty[stages], p_full, p_empty;
+  static_assert(M::score_elems == 32, "P's hand-over: 32 values a consumer thread");
+  __shared__ __align__(8) uint64_t full[stages], empty[stages], p_full[2], p_empty[2];
+  const score_handoff hand{reinterpret_cast<uint4*>(sm + (2 + 2 * stages) * 64 * D), p_full, p_empty};
+  dkdv_stage_info* info = reinterpret_cast<dkdv_stage_info*>(reinterpret_cast<char*>(hand.data) + score_handoff_bytes);
 
   const int64_t item = p.order[blockIdx.x];
   const int64_t j = item % s.tiles, hk = (item / s.tiles) % p.kv_heads, b = item / s.tiles / p.kv_heads;
@@ -111,8 +107,7 @@ template <class E, int D> __global__ void __launch_bounds__(dkdv_threads, 1)
       tma::barrier_init(&full[x], 1 + 32); // the copy's announcement, then each producer lane after its stores
       tma::barrier_init(&empty[x], 256);   // each consumer thread after its reads of the stage
     }
-    tma::barrier_init(&p_full, 128);
-    tma::barrier_init(&p_empty, 128);
+    hand.init();
   }
   __syncthreads();
 
@@ -152,58 +147,42 @@ template <class E, int D> __global__ void __launch_bounds__(dkdv_threads, 1)
 #pragma unroll
   for (int e = 0; e < M::out_elems; ++e) acc.x[e] = 0.f;
 
-  for (int n = 0; !it.done(); it.next(), ++n) {
-    const int buf = n % stages, round = n / stages;
-    tma::wait(&full[buf], static_cast<uint32_t>(round & 1));
+  // Each consumer overlaps its two products across pairs (overlapped_steps): pair n's first product (Sᵀ or dPᵀ)
+  // goes with pair n-1's second (dV or dK), and the softmax step of pair n runs under the latter. x holds pair n's
+  // scores, then P or dS; a holds pair n-1's P or dS rounded to E, the second product's A operand.
+  typename M::score_tile x;
+  typename M::prob_frag a;
+  const auto live = [&](int e, int qv) { return M::elem_col(e) < qv; };
+  // Consumer 0, pair n in stage buf, x = Sᵀ: P, handed to consumer 1; dO's padding rows zeroed for dV's product.
+  const auto make_p = [&](int n, int buf) {
     const int qv = info[buf].valid;
-    const float* stat = wg == 0 ? info[buf].lse2 : info[buf].delta;
-    typename M::score_tile x; // Sᵀ, then P (consumer 0); dPᵀ, then dSᵀ (consumer 1): rows keys, columns queries
-    // (ptxas notes a wait of its own where the branches meet, C7517: the product's registers, already waited for.)
-    if (wg == 0)
-      M::nt_into(x, sk, sq(buf));
-    else
-      M::nt_into(x, sv, sdo(buf));
-    M::template wait_first<0, 64>(x);
-    const auto live = [&](int e) { return M::elem_col(e) < qv; };
-    if (wg == 0) {
+    const float* lse2 = info[buf].lse2;
 #pragma unroll
-      for (int e = 0; e < M::score_elems; ++e)
-        x.x[e] = live(e) ? fast_exp2(x.x[e] * p.scale_log2 - stat[M::elem_col(e)]) : 0.f;
-      tma::wait(&p_empty, static_cast<uint32_t>((n & 1) ^ 1)); // consumer 1 has read the previous P
+    for (int e = 0; e < M::score_elems; ++e)
+      x.x[e] = live(e, qv) ? fast_exp2(x.x[e] * p.scale_log2 - lse2[M::elem_col(e)]) : 0.f;
+    hand.put(n, wtid, x.x);
+    tma::clear_rows_then<D>(sdo(buf), qv, wtid, 128, tile_rows, [] { tma::named_sync(consumer0_barrier, 128); });
+  };
+  // Consumer 1, pair n in stage buf, x = dPᵀ: dSᵀ from consumer 0's P; Q's padding rows zeroed for dK's product.
+  const auto make_ds = [&](int n, int buf) {
+    const int qv = info[buf].valid;
+    const float* delta = info[buf].delta;
+    float pr[M::score_elems];
+    hand.take(n, wtid, pr);
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        uint32_t w[4];
-#pragma unroll
-        for (int r = 0; r < 4; ++r) w[r] = fp16_type::pack(x.x[8 * c + 2 * r], x.x[8 * c + 2 * r + 1]);
-        sp[c * 128 + wtid] = make_uint4(w[0], w[1], w[2], w[3]);
-      }
-      tma::arrive(&p_full);
-      tma::clear_rows_then<D>(sdo(buf), qv, wtid, 128, tile_rows, [] { tma::named_sync(consumer0_barrier, 128); });
-      M::nn(acc, x, sdo(buf));
-    } else {
-      tma::wait(&p_full, static_cast<uint32_t>(n & 1));
-      float pr[M::score_elems];
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const uint4 v = sp[c * 128 + wtid];
-        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          pr[8 * c + 2 * r] = fp16_type::to_float(static_cast<uint16_t>(w[r] & 0xffffu));
-          pr[8 * c + 2 * r + 1] = fp16_type::to_float(static_cast<uint16_t>(w[r] >> 16));
-        }
-      }
-      tma::arrive(&p_empty);
-#pragma unroll
-      for (int e = 0; e < M::score_elems; ++e) x.x[e] = live(e) ? pr[e] * (x.x[e] - stat[M::elem_col(e)]) : 0.f;
-      tma::clear_rows_then<D>(sq(buf), qv, wtid, 128, tile_rows, [] { tma::named_sync(consumer1_barrier, 128); });
-      M::nn(acc, x, sq(buf));
-    }
-    // Every thread, after its reads of the stage's statistics and the wait that completes its products: one
-    // arrival from a warpgroup would order the others' reads only through the products' warpgroup-wide issue,
-    // which is more than a race detector (and the memory model) can see.
-    tma::arrive(&empty[buf]);
-  }
+    for (int e = 0; e < M::score_elems; ++e) x.x[e] = live(e, qv) ? pr[e] * (x.x[e] - delta[M::elem_col(e)]) : 0.f;
+    tma::clear_rows_then<D>(sq(buf), qv, wtid, 128, tile_rows, [] { tma::named_sync(consumer1_barrier, 128); });
+  };
+  // The block's own tile, K for consumer 0 and V for consumer 1, is the first product's A operand (band_of).
+  typename M::band_frag band = band_of<M, D>(wg == 0 ? sk : sv, row0);
+  if (wg == 0)
+    overlapped_steps<M, stages>(
+        it, full, empty, x, a, acc, [&](int buf) { M::nt_async(x, band, sq(buf)); },
+        [&](int buf) { M::nn_async(acc, a, sdo(buf)); }, make_p);
+  else
+    overlapped_steps<M, stages>(
+        it, full, empty, x, a, acc, [&](int buf) { M::nt_async(x, band, sdo(buf)); },
+        [&](int buf) { M::nn_async(acc, a, sq(buf)); }, make_ds);
 
   const int64_t bhk = b * p.kv_heads + hk;
   if (wg == 0)
