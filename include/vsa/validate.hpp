@@ -253,10 +253,24 @@ inline status check_layout_disjoint(const problem& p, int64_t heads, const const
   const footprint r = view_footprint("raster", raster, p, heads), t = view_footprint("tiled", tiled, p, heads);
   return to_tiled ? check_disjoint({t}, {r}) : check_disjoint({r}, {t});
 }
+// The elements of the tile means of the query heads, [B, Hq, N, D], and of the kv heads, [B, Hkv, N, D].
+struct means_elements {
+  std::size_t q, k;
+};
+inline means_elements coarse_elements(const problem& p) {
+  const std::size_t n = static_cast<std::size_t>(tile_geometry(p.grid).num_tiles());
+  return {static_cast<std::size_t>(p.batch * p.q_heads * p.head_dim) * n,
+          static_cast<std::size_t>(p.batch * p.kv_heads * p.head_dim) * n};
+}
 // The bytes of o_c and d_o_c, [B, Hq, N, D] in p.type.
-inline std::size_t coarse_bytes(const problem& p) {
-  return dtype_size(p.type) *
-         static_cast<std::size_t>(p.batch * p.q_heads * tile_geometry(p.grid).num_tiles() * p.head_dim);
+inline std::size_t coarse_bytes(const problem& p) { return dtype_size(p.type) * coarse_elements(p).q; }
+// The bytes of the coarse scores, [B, Hq, N, N] fp32, and of lse_c, [B, Hq, N] fp32.
+inline std::size_t scores_bytes(const problem& p) {
+  const std::size_t n = static_cast<std::size_t>(tile_geometry(p.grid).num_tiles());
+  return sizeof(float) * static_cast<std::size_t>(p.batch * p.q_heads) * n * n;
+}
+inline std::size_t lse_c_bytes(const problem& p) {
+  return sizeof(float) * static_cast<std::size_t>(p.batch * p.q_heads * tile_geometry(p.grid).num_tiles());
 }
 // combine: o against the gate and o_c, and against o_s unless o is o_s itself (the same view), which is safe: each
 // element of o_s is read before it is written, by the same thread on the GPU and in the same row on the CPU.
@@ -284,29 +298,61 @@ inline std::size_t lse_bytes(const problem& p) {
 inline status check_means_disjoint(const problem& p, const const_tensor& q, const const_tensor& k,
                                    const const_tensor& v, const void* q_c, const void* k_c, const void* v_c,
                                    const float* q_c_f32, const float* k_c_f32) {
-  const std::size_t n = static_cast<std::size_t>(tile_geometry(p.grid).num_tiles()), e = dtype_size(p.type);
-  const std::size_t qn = static_cast<std::size_t>(p.batch * p.q_heads * p.head_dim) * n,
-                    kn = static_cast<std::size_t>(p.batch * p.kv_heads * p.head_dim) * n;
-  return check_disjoint({buffer_footprint("q_c", q_c, qn * e), buffer_footprint("k_c", k_c, kn * e),
-                         buffer_footprint("v_c", v_c, kn * e), buffer_footprint("q_c_f32", q_c_f32, qn * sizeof(float)),
-                         buffer_footprint("k_c_f32", k_c_f32, kn * sizeof(float))},
+  const means_elements m = coarse_elements(p);
+  const std::size_t e = dtype_size(p.type);
+  return check_disjoint({buffer_footprint("q_c", q_c, m.q * e), buffer_footprint("k_c", k_c, m.k * e),
+                         buffer_footprint("v_c", v_c, m.k * e),
+                         buffer_footprint("q_c_f32", q_c_f32, m.q * sizeof(float)),
+                         buffer_footprint("k_c_f32", k_c_f32, m.k * sizeof(float))},
                         {view_footprint("q", q, p, p.q_heads), view_footprint("k", k, p, p.kv_heads),
                          view_footprint("v", v, p, p.kv_heads)});
 }
 // select_top_k: q2k, q2k_count and the workspace (null and 0 for the reference) against each other and the scores.
 inline status check_top_k_disjoint(const problem& p, const float* scores, const index_lists& idx, const void* workspace,
                                    std::size_t workspace_bytes) {
-  const std::size_t n = static_cast<std::size_t>(tile_geometry(p.grid).num_tiles());
   const list_footprints l = lists_footprint(p, as_const(idx), false);
-  return check_disjoint(
-      {l.q2k, l.count, buffer_footprint("workspace", workspace, workspace_bytes)},
-      {buffer_footprint("scores", scores, sizeof(float) * static_cast<std::size_t>(p.batch * p.q_heads) * n * n)});
+  return check_disjoint({l.q2k, l.count, buffer_footprint("workspace", workspace, workspace_bytes)},
+                        {buffer_footprint("scores", scores, scores_bytes(p))});
 }
 // build_k2q: k2q, k2q_offset and the workspace against each other and the q2k lists they are built from.
 inline status check_k2q_disjoint(const problem& p, const index_lists& idx, const void* workspace,
                                  std::size_t workspace_bytes) {
   const list_footprints l = lists_footprint(p, as_const(idx), true);
   return check_disjoint({l.k2q, l.offset, buffer_footprint("workspace", workspace, workspace_bytes)}, {l.q2k, l.count});
+}
+// coarse_scores: the scores against the fp32 means they are formed from.
+inline status check_coarse_scores_disjoint(const problem& p, const float* q_c, const float* k_c, const float* scores) {
+  const means_elements m = coarse_elements(p);
+  return check_disjoint(
+      {buffer_footprint("scores", scores, scores_bytes(p))},
+      {buffer_footprint("q_c", q_c, m.q * sizeof(float)), buffer_footprint("k_c", k_c, m.k * sizeof(float))});
+}
+// coarse_attention: o_c, its residual (one byte an element, null when not asked for) and lse_c against each other
+// and the scores and v_c.
+inline status check_coarse_forward_disjoint(const problem& p, const float* scores, const void* v_c, const void* o_c,
+                                            const int8_t* o_c_residual, const float* lse_c) {
+  const means_elements m = coarse_elements(p);
+  return check_disjoint(
+      {buffer_footprint("o_c", o_c, coarse_bytes(p)), buffer_footprint("o_c_residual", o_c_residual, m.q),
+       buffer_footprint("lse_c", lse_c, lse_c_bytes(p))},
+      {buffer_footprint("scores", scores, scores_bytes(p)), buffer_footprint("v_c", v_c, m.k * dtype_size(p.type))});
+}
+// coarse_attention_backward: dq_c, dk_c, dv_c (fp32) and the workspace (null and 0 for the reference) against each
+// other and every input: the means, the scores, o_c and its residual, d_o_c and lse_c.
+inline status check_coarse_backward_disjoint(const problem& p, const void* q_c, const void* k_c, const void* v_c,
+                                             const float* scores, const void* o_c, const int8_t* o_c_residual,
+                                             const void* d_o_c, const float* lse_c, const float* dq_c,
+                                             const float* dk_c, const float* dv_c, const void* workspace,
+                                             std::size_t workspace_bytes) {
+  const means_elements m = coarse_elements(p);
+  const std::size_t e = dtype_size(p.type);
+  return check_disjoint(
+      {buffer_footprint("dq_c", dq_c, m.q * sizeof(float)), buffer_footprint("dk_c", dk_c, m.k * sizeof(float)),
+       buffer_footprint("dv_c", dv_c, m.k * sizeof(float)), buffer_footprint("workspace", workspace, workspace_bytes)},
+      {buffer_footprint("q_c", q_c, m.q * e), buffer_footprint("k_c", k_c, m.k * e),
+       buffer_footprint("v_c", v_c, m.k * e), buffer_footprint("scores", scores, scores_bytes(p)),
+       buffer_footprint("o_c", o_c, coarse_bytes(p)), buffer_footprint("o_c_residual", o_c_residual, m.q),
+       buffer_footprint("d_o_c", d_o_c, coarse_bytes(p)), buffer_footprint("lse_c", lse_c, lse_c_bytes(p))});
 }
 inline status check_sparse_forward_disjoint(const problem& p, const const_tensor& q, const const_tensor& k,
                                             const const_tensor& v, const const_index_lists& idx, const tensor& o_s,

@@ -147,6 +147,14 @@ void expect_all_rejected(world& w, const problem& bad, errc code, const char* wo
   CHECK(w.snapshot() == before);
 }
 
+// A call rejected for aliasing, with the output and the argument it meets both named.
+void expect_aliased(const status& s, const char* output, const char* other) {
+  INFO(errc_name(s.code()) << ": " << s.message());
+  CHECK(s.code() == errc::aliased);
+  CHECK(test::mentions(s, output));
+  CHECK(test::mentions(s, other));
+}
+
 } // namespace
 
 TEST_CASE("every entry point rejects a bad problem and writes nothing", "[cpu][errors]") {
@@ -480,44 +488,89 @@ TEST_CASE("the selection stages reject an output over another argument, by name"
   VSA_TEST_RNG(g, "errors selection aliasing");
   const problem p = make_problem({5, 6, 7}, 2, 4, 2, 8, dtype::fp16);
   world w(p, g);
-  const auto expect = [&](const status& s, const char* output, const char* other) {
-    INFO(errc_name(s.code()) << ": " << s.message());
-    CHECK(s.code() == errc::aliased);
-    CHECK(test::mentions(s, output));
-    CHECK(test::mentions(s, other));
-  };
   const std::vector<unsigned char> before = w.snapshot();
   // block_means: a mean over the tensor it is taken of, over another mean, an fp32 copy over a mean.
   void* q_bytes = const_cast<void*>(static_cast<const void*>(w.q.data()));
-  expect(reference::block_means(p, w.q.cview(), w.k.cview(), w.v.cview(), q_bytes, w.k_c.data(), w.v_c.data()), "q_c",
-         "q");
-  expect(reference::block_means(p, w.q.cview(), w.k.cview(), w.v.cview(), w.q_c.data(), w.k_c.data(), w.k_c.data()),
-         "k_c", "v_c");
-  expect(reference::block_means(p, w.q.cview(), w.k.cview(), w.v.cview(), w.q_c.data(), w.k_c.data(), w.v_c.data(),
-                                w.dq_c.data(), reinterpret_cast<float*>(w.q_c.data())),
-         "q_c", "k_c_f32");
+  expect_aliased(reference::block_means(p, w.q.cview(), w.k.cview(), w.v.cview(), q_bytes, w.k_c.data(), w.v_c.data()),
+                 "q_c", "q");
+  expect_aliased(
+      reference::block_means(p, w.q.cview(), w.k.cview(), w.v.cview(), w.q_c.data(), w.k_c.data(), w.k_c.data()), "k_c",
+      "v_c");
+  expect_aliased(reference::block_means(p, w.q.cview(), w.k.cview(), w.v.cview(), w.q_c.data(), w.k_c.data(),
+                                        w.v_c.data(), w.dq_c.data(), reinterpret_cast<float*>(w.q_c.data())),
+                 "q_c", "k_c_f32");
   // select_top_k: the lists over the scores or over each other.
   index_lists idx = w.lists();
   index_lists over_scores = idx;
   over_scores.q2k = reinterpret_cast<int32_t*>(w.scores.data());
-  expect(reference::select_top_k(p, w.top_k, w.scores.data(), over_scores), "q2k", "scores");
+  expect_aliased(reference::select_top_k(p, w.top_k, w.scores.data(), over_scores), "q2k", "scores");
   index_lists counts_over_lists = idx;
   counts_over_lists.q2k_count = idx.q2k + 1;
-  expect(reference::select_top_k(p, w.top_k, w.scores.data(), counts_over_lists), "q2k", "q2k_count");
+  expect_aliased(reference::select_top_k(p, w.top_k, w.scores.data(), counts_over_lists), "q2k", "q2k_count");
   // build_k2q: its outputs over the q2k lists they are built from, or over each other.
   index_lists k2q_over_q2k = idx;
   k2q_over_q2k.k2q = idx.q2k;
-  expect(reference::build_k2q(p, k2q_over_q2k), "k2q", "q2k");
+  expect_aliased(reference::build_k2q(p, k2q_over_q2k), "k2q", "q2k");
   index_lists offset_over_counts = idx;
   offset_over_counts.k2q_offset = idx.q2k_count;
-  expect(reference::build_k2q(p, offset_over_counts), "k2q_offset", "q2k_count");
+  expect_aliased(reference::build_k2q(p, offset_over_counts), "k2q_offset", "q2k_count");
   index_lists offset_over_k2q = idx;
   offset_over_k2q.k2q_offset = idx.k2q + 2;
-  expect(reference::build_k2q(p, offset_over_k2q), "k2q", "k2q_offset");
+  expect_aliased(reference::build_k2q(p, offset_over_k2q), "k2q", "k2q_offset");
   CHECK(w.snapshot() == before);
   // Disjoint arguments still work.
   CHECK(reference::block_means(p, w.q.cview(), w.k.cview(), w.v.cview(), w.q_c.data(), w.k_c.data(), w.v_c.data(),
                                w.dq_c.data(), w.dk_c.data())
             .is_ok());
   CHECK(reference::build_k2q(p, idx).is_ok());
+}
+
+TEST_CASE("the coarse pass rejects an output over another argument, by name", "[cpu][errors]") {
+  VSA_TEST_RNG(g, "errors coarse aliasing");
+  const problem p = make_problem({5, 6, 7}, 2, 4, 2, 8, dtype::fp16);
+  world w(p, g);
+  const float scale = 0.5f;
+  // One residual byte an element of o_c.
+  std::vector<int8_t> residual(w.o_c.bytes.size() / dtype_size(p.type), 0);
+  const std::vector<unsigned char> before = w.snapshot();
+  const std::vector<int8_t> residual_before = residual;
+  // Each overlap lies inside the larger buffer's own allocation, so that no neighbour in memory meets it first.
+  // coarse_scores (the fp32 means in dq_c and dk_c, which have their size): the scores over either mean.
+  expect_aliased(reference::coarse_scores(p, scale, w.dq_c.data(), w.dk_c.data(), w.dq_c.data()), "scores", "q_c");
+  expect_aliased(reference::coarse_scores(p, scale, w.dq_c.data(), w.scores.data() + 5, w.scores.data()), "scores",
+                 "k_c");
+  // coarse_attention: v_c inside o_c, lse_c inside o_c, lse_c inside the residual.
+  float* inside_o_c = reinterpret_cast<float*>(w.o_c.data());
+  expect_aliased(reference::coarse_attention(p, w.scores.data(), w.o_c.data(), w.o_c.data(), nullptr, w.lse_c.data()),
+                 "o_c", "v_c");
+  expect_aliased(reference::coarse_attention(p, w.scores.data(), w.v_c.data(), w.o_c.data(), nullptr, inside_o_c),
+                 "o_c", "lse_c");
+  expect_aliased(reference::coarse_attention(p, w.scores.data(), w.v_c.data(), w.o_c.data(), residual.data(),
+                                             reinterpret_cast<float*>(residual.data())),
+                 "o_c_residual", "lse_c");
+  // coarse_attention_backward: d_o_c inside dq_c, dv_c over dk_c, the residual it reads inside dq_c.
+  const auto backward_with = [&](const int8_t* o_c_residual, const void* d_o_c, float* dk_c, float* dv_c) {
+    return reference::coarse_attention_backward(p, scale, w.q_c.data(), w.k_c.data(), w.v_c.data(), w.scores.data(),
+                                                w.o_c.data(), o_c_residual, d_o_c, w.lse_c.data(), w.dq_c.data(), dk_c,
+                                                dv_c);
+  };
+  expect_aliased(backward_with(nullptr, w.dq_c.data(), w.dk_c.data(), w.dv_c.data()), "dq_c", "d_o_c");
+  expect_aliased(backward_with(nullptr, w.d_o_c.data(), w.dk_c.data(), w.dk_c.data()), "dk_c", "dv_c");
+  expect_aliased(
+      backward_with(reinterpret_cast<const int8_t*>(w.dq_c.data() + 3), w.d_o_c.data(), w.dk_c.data(), w.dv_c.data()),
+      "dq_c", "o_c_residual");
+  CHECK(w.snapshot() == before);
+  CHECK(residual == residual_before);
+
+  // Disjoint arguments still work, the pass in order: the means, the scores from their fp32 copies, the forward
+  // with its residual, the backward from it.
+  w.d_o_c.fill_normal(g);
+  REQUIRE(reference::block_means(p, w.q.cview(), w.k.cview(), w.v.cview(), w.q_c.data(), w.k_c.data(), w.v_c.data(),
+                                 w.dq_c.data(), w.dk_c.data())
+              .is_ok());
+  CHECK(reference::coarse_scores(p, scale, w.dq_c.data(), w.dk_c.data(), w.scores.data()).is_ok());
+  CHECK(reference::coarse_attention(p, w.scores.data(), w.v_c.data(), w.o_c.data(), residual.data(), w.lse_c.data())
+            .is_ok());
+  CHECK(backward_with(residual.data(), w.d_o_c.data(), w.dk_c.data(), w.dv_c.data()).is_ok());
+  CHECK(std::all_of(w.dv_c.begin(), w.dv_c.end(), [](float x) { return std::isfinite(x); }));
 }

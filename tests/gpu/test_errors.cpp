@@ -372,9 +372,12 @@ TEST_CASE("block_means rejects bad arguments untouched", "[gpu][errors]") {
 // The fp32 means of coarse_scores: the dq_c and dk_c buffers, which have their size.
 TEST_CASE("coarse_scores rejects bad arguments untouched", "[gpu][errors]") {
   const entry_point call = [](arguments& a) { return coarse_scores(a.p, a.scale, a.dq_c, a.dk_c, a.scores, nullptr); };
+  const std::vector<bad_case> aliasing = {
+      {"scores over q_c", [](arguments& a) { a.scores = a.dq_c; }, errc::aliased, "scores", true},
+  };
   run_cases(call,
             join(problem_cases(), scale_cases(&arguments::scale), pointer_cases("q_c", &arguments::dq_c),
-                 pointer_cases("k_c", &arguments::dk_c), pointer_cases("scores", &arguments::scores)),
+                 pointer_cases("k_c", &arguments::dk_c), pointer_cases("scores", &arguments::scores), aliasing),
             false);
 }
 
@@ -382,9 +385,14 @@ TEST_CASE("coarse_attention rejects bad arguments untouched", "[gpu][errors]") {
   const entry_point call = [](arguments& a) {
     return coarse_attention(a.p, a.scores, a.v_c, a.o_c, nullptr, a.lse_c, nullptr);
   };
+  const std::vector<bad_case> aliasing = {
+      {"v_c inside o_c", [](arguments& a) { a.v_c = a.o_c; }, errc::aliased, "o_c", true},
+      {"lse_c inside o_c", [](arguments& a) { a.lse_c = static_cast<float*>(a.o_c); }, errc::aliased, "o_c and lse_c",
+       false},
+  };
   run_cases(call,
             join(problem_cases(), pointer_cases("scores", &arguments::scores), pointer_cases("v_c", &arguments::v_c),
-                 pointer_cases("o_c", &arguments::o_c), pointer_cases("lse_c", &arguments::lse_c)),
+                 pointer_cases("o_c", &arguments::o_c), pointer_cases("lse_c", &arguments::lse_c), aliasing),
             false);
 }
 
@@ -393,13 +401,19 @@ TEST_CASE("coarse_attention_backward rejects bad arguments untouched", "[gpu][er
     return coarse_attention_backward(a.p, a.scale, a.q_c, a.k_c, a.v_c, a.scores, a.o_c, nullptr, a.d_o_c, a.lse_c,
                                      a.dq_c, a.dk_c, a.dv_c, a.workspace, a.workspace_bytes, nullptr);
   };
+  const std::vector<bad_case> aliasing = {
+      {"d_o_c inside dq_c", [](arguments& a) { a.d_o_c = a.dq_c; }, errc::aliased, "dq_c", true},
+      {"dv_c over dk_c", [](arguments& a) { a.dv_c = a.dk_c; }, errc::aliased, "dk_c and dv_c", false},
+      {"dv_c over the workspace", [](arguments& a) { a.dv_c = static_cast<float*>(a.workspace); }, errc::aliased,
+       "dv_c", false},
+  };
   run_cases(call,
             join(problem_cases(), scale_cases(&arguments::scale), pointer_cases("q_c", &arguments::q_c),
                  pointer_cases("k_c", &arguments::k_c), pointer_cases("v_c", &arguments::v_c),
                  pointer_cases("scores", &arguments::scores), pointer_cases("o_c", &arguments::o_c),
                  pointer_cases("d_o_c", &arguments::d_o_c), pointer_cases("lse_c", &arguments::lse_c),
                  pointer_cases("dq_c", &arguments::dq_c), pointer_cases("dk_c", &arguments::dk_c),
-                 pointer_cases("dv_c", &arguments::dv_c), workspace_cases()),
+                 pointer_cases("dv_c", &arguments::dv_c), workspace_cases(), aliasing),
             true);
 }
 

@@ -28,6 +28,7 @@ inline status coarse_scores(const problem& p, float scale, const float* q_c, con
   if (s) s = detail::check_means("q_c", q_c);
   if (s) s = detail::check_means("k_c", k_c);
   if (s) s = check_pointer("scores", scores, 8);
+  if (s) s = check_coarse_scores_disjoint(p, q_c, k_c, scores);
   if (!s) return s;
   namespace gd = gpu::detail;
   const auto sched = detail::means_schedule(p);
@@ -56,6 +57,7 @@ inline status coarse_attention(const problem& p, const float* scores, const void
   if (s) s = detail::check_means("v_c", v_c);
   if (s) s = detail::check_means("o_c", o_c);
   if (s) s = check_pointer("lse_c", lse_c, 4);
+  if (s) s = check_coarse_forward_disjoint(p, scores, v_c, o_c, o_c_residual, lse_c);
   if (!s) return s;
   const auto sched = detail::means_schedule(p);
   const int64_t n = sched.length;
@@ -99,6 +101,10 @@ inline status coarse_attention_backward(const problem& p, float scale, const voi
   if (s) s = check_pointer("dk_c", dk_c, 16);
   if (s) s = check_pointer("dv_c", dv_c, 16);
   if (s) s = check_workspace(workspace, workspace_bytes, need);
+  if (s) {
+    s = check_coarse_backward_disjoint(p, q_c, k_c, v_c, scores, o_c, o_c_residual, d_o_c, lse_c, dq_c, dk_c, dv_c,
+                                       workspace, need);
+  }
   if (!s) return s;
 
   const auto sched = detail::means_schedule(p);

@@ -113,6 +113,7 @@ inline status coarse_scores(const problem& p, float scale, const float* q_c, con
   if (!(s = detail::check_array("q_c", q_c))) return s;
   if (!(s = detail::check_array("k_c", k_c))) return s;
   if (!(s = detail::check_array("scores", scores))) return s;
+  if (!(s = check_coarse_scores_disjoint(p, q_c, k_c, scores))) return s;
   return detail::guarded("coarse_scores", [&]() {
     const int64_t n = tile_geometry(p.grid).num_tiles();
     const int64_t q_size = p.batch * p.q_heads * n * p.head_dim, k_size = p.batch * p.kv_heads * n * p.head_dim;
@@ -134,6 +135,7 @@ inline status coarse_attention(const problem& p, const float* scores, const void
   if (!(s = detail::check_array("v_c", v_c))) return s;
   if (!(s = detail::check_array("o_c", o_c))) return s;
   if (!(s = detail::check_array("lse_c", lse_c))) return s;
+  if (!(s = check_coarse_forward_disjoint(p, scores, v_c, o_c, o_c_residual, lse_c))) return s;
   return detail::guarded("coarse_attention", [&]() {
     const int64_t n = tile_geometry(p.grid).num_tiles();
     const int64_t q_size = p.batch * p.q_heads * n * p.head_dim, k_size = p.batch * p.kv_heads * n * p.head_dim;
@@ -164,6 +166,9 @@ inline status coarse_attention_backward(const problem& p, float scale, const voi
   if (!(s = detail::check_array("dq_c", dq_c))) return s;
   if (!(s = detail::check_array("dk_c", dk_c))) return s;
   if (!(s = detail::check_array("dv_c", dv_c))) return s;
+  if (!(s = check_coarse_backward_disjoint(p, q_c, k_c, v_c, scores, o_c, o_c_residual, d_o_c, lse_c, dq_c, dk_c, dv_c,
+                                           nullptr, 0)))
+    return s;
   return detail::guarded("coarse_attention_backward", [&]() {
     const int64_t n = tile_geometry(p.grid).num_tiles();
     const int64_t q_size = p.batch * p.q_heads * n * p.head_dim, k_size = p.batch * p.kv_heads * n * p.head_dim;
