@@ -198,10 +198,13 @@ template <class E, int D> struct warpgroup_mma : warp_mma<E, D> {
     return wgmma::descriptor(t.base, wgmma_layout::mn_major(kk));
   }
 
-  // The register form of A is used only for operands made fresh in each iteration (P, dS). A loop-invariant
-  // A held in registers across a loop of wgmma (Q in the forward) was observed to be miscompiled by ptxas
-  // of CUDA 13.0: the registers were reused after the first product of an iteration (head dim 64). Q is
-  // read through a descriptor instead, so it keeps a shared slot of its own, and the algorithm asks for it.
+  // The matrix layer's algorithms take A from registers only for operands made fresh in each iteration (P, dS). A
+  // loop-invariant A held in a row_frag across a loop of wgmma (Q in the forward, through nt) was observed to be
+  // miscompiled by ptxas of CUDA 13.0: the registers were reused after the first product of an iteration (head dim
+  // 64). Q is read through a descriptor instead, so it keeps a shared slot of its own, and the algorithm asks for
+  // it. A band_frag passed to nt_async is pinned before each fence, which keeps its registers until the wait: the
+  // Hopper dk/dv holds K or V so for its whole loop, its outputs bitwise those of the descriptor form on the H200
+  // (bench/NOTES.md, v18).
   static constexpr bool rows_in_registers = false;
 
   // s += A · Bᵀ, A rows row0 .. row0+15 of a shared tile: the warpgroup reads all 64 rows of a at once,

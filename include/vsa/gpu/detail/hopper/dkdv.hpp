@@ -37,8 +37,9 @@ namespace gpu {
 namespace detail {
 namespace hopper {
 
-// The ring of Q/dO stages, measured on the H200 (bench/NOTES.md, v17, with one arrival a consumer on `empty`):
-// 3 stages 4.48 ms, 4 stages 4.09-4.11, 5 stages 4.34-4.40.
+// The ring of Q/dO stages, measured on the H200 before the products overlapped (bench/NOTES.md, v17): 3 stages
+// 4.48 ms, 4 stages 4.09-4.11, 5 stages 4.34-4.40. A stage is now freed a pair later (after the second product that
+// reads it, issued with the next pair's first), so four hold one pair fewer ahead; not measured again.
 inline constexpr int dkdv_stages = 4;
 
 // What the producer leaves in a stage beside its tiles.
