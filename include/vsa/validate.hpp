@@ -376,6 +376,31 @@ inline status check_sparse_backward_disjoint(const problem& p, const const_tenso
                          view_footprint("d_o", d_o, p, p.q_heads), buffer_footprint("lse", lse, lse_bytes(p)), l.q2k,
                          l.count, l.k2q, l.offset});
 }
+// linear_attention_forward: o_l, the state it leaves (null where none is kept) and the workspace against each other
+// and q, k, v (the reference keeps no state and takes no workspace: null and 0). In place (o_l as q's own view) is
+// not offered, unlike combine: it would bind the apply kernel to reading every Q tile before it writes that tile's O.
+inline status check_linear_forward_disjoint(const problem& p, const const_tensor& q, const const_tensor& k,
+                                            const const_tensor& v, const tensor& o_l, const void* state,
+                                            std::size_t state_bytes, const void* workspace,
+                                            std::size_t workspace_bytes) {
+  return check_disjoint({view_footprint("o_l", o_l, p, p.q_heads), buffer_footprint("state", state, state_bytes),
+                         buffer_footprint("workspace", workspace, workspace_bytes)},
+                        {view_footprint("q", q, p, p.q_heads), view_footprint("k", k, p, p.kv_heads),
+                         view_footprint("v", v, p, p.kv_heads)});
+}
+// linear_attention_backward: dq, dk, dv and the workspace against each other and every input: q, k, v, d_o and the
+// state it reads (null where it recomputes it; null and 0 for both in the reference).
+inline status check_linear_backward_disjoint(const problem& p, const const_tensor& q, const const_tensor& k,
+                                             const const_tensor& v, const const_tensor& d_o, const void* state,
+                                             std::size_t state_bytes, const tensor& dq, const tensor& dk,
+                                             const tensor& dv, const void* workspace, std::size_t workspace_bytes) {
+  return check_disjoint({view_footprint("dq", dq, p, p.q_heads), view_footprint("dk", dk, p, p.kv_heads),
+                         view_footprint("dv", dv, p, p.kv_heads),
+                         buffer_footprint("workspace", workspace, workspace_bytes)},
+                        {view_footprint("q", q, p, p.q_heads), view_footprint("k", k, p, p.kv_heads),
+                         view_footprint("v", v, p, p.kv_heads), view_footprint("d_o", d_o, p, p.q_heads),
+                         buffer_footprint("state", state, state_bytes)});
+}
 
 // A plain pointer argument (index lists, statistics, coarse tensors).
 template <class T> status check_pointer(const char* name, T* ptr, std::size_t align) {

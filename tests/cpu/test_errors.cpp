@@ -578,3 +578,104 @@ TEST_CASE("the coarse pass rejects an output over another argument, by name", "[
   CHECK(backward_with(residual.data(), w.d_o_c.data(), w.dk_c.data(), w.dv_c.data()).is_ok());
   CHECK(std::all_of(w.dv_c.begin(), w.dv_c.end(), [](float x) { return std::isfinite(x); }));
 }
+
+TEST_CASE("the linear branch rejects an output over another argument, by name", "[cpu][errors]") {
+  VSA_TEST_RNG(g, "errors linear aliasing");
+  const problem p = make_problem({5, 6, 7}, 2, 4, 2, 8, dtype::fp16);
+  world w(p, g);
+  const feature_map phi = feature_map::elu1;
+  const float eps = 1e-3f;
+  const auto forward_with = [&](const_tensor q, const_tensor k, const_tensor v, tensor o_l) {
+    return reference::linear_attention_forward(p, phi, eps, token_order::tiled, q, k, v, o_l);
+  };
+  const auto backward_with = [&](const_tensor q, const_tensor v, const_tensor d_o, tensor dq, tensor dk, tensor dv) {
+    return reference::linear_attention_backward(p, phi, eps, token_order::tiled, q, w.k.cview(), v, d_o, dq, dk, dv);
+  };
+  // A view of t's strides `elements` elements into base.
+  const auto at = [&](tensor t, void* base, int64_t elements) {
+    t.data = static_cast<char*>(base) + elements * static_cast<int64_t>(dtype_size(p.type));
+    return t;
+  };
+  const std::vector<unsigned char> before = w.snapshot();
+  // Each overlap lies inside the larger buffer's own allocation: o holds twice a kv tensor's elements, so a kv view
+  // fits in it one token row on.
+  const int64_t q_row = w.o.token_stride(), kv_row = w.dk.token_stride();
+  // linear_attention_forward: o_l over q, k inside o_l, v inside o_l one token row on (a partial overlap).
+  expect_aliased(forward_with(w.q.cview(), w.k.cview(), w.v.cview(), at(w.o.view(), w.q.data(), 0)), "o_l", "q");
+  expect_aliased(forward_with(w.q.cview(), as_const(at(w.dk.view(), w.o.data(), 0)), w.v.cview(), w.o.view()), "o_l",
+                 "k");
+  expect_aliased(forward_with(w.q.cview(), w.k.cview(), as_const(at(w.dv.view(), w.o.data(), q_row)), w.o.view()),
+                 "o_l", "v");
+  // linear_attention_backward: dq over d_o, q inside dq, dk over v, dv over dk, and dk and dv one token row apart in
+  // one buffer (a partial overlap of views of the same strides).
+  expect_aliased(backward_with(w.q.cview(), w.v.cview(), w.d_o.cview(), at(w.dq.view(), w.d_o.data(), 0), w.dk.view(),
+                               w.dv.view()),
+                 "dq", "d_o");
+  expect_aliased(backward_with(w.dq.cview(), w.v.cview(), w.d_o.cview(), w.dq.view(), w.dk.view(), w.dv.view()), "dq",
+                 "q");
+  expect_aliased(
+      backward_with(w.q.cview(), w.v.cview(), w.d_o.cview(), w.dq.view(), at(w.dk.view(), w.v.data(), 0), w.dv.view()),
+      "dk", "v");
+  expect_aliased(backward_with(w.q.cview(), w.v.cview(), w.d_o.cview(), w.dq.view(), w.dk.view(), w.dk.view()), "dk",
+                 "dv");
+  expect_aliased(backward_with(w.q.cview(), w.v.cview(), w.d_o.cview(), w.dq.view(), at(w.dk.view(), w.o.data(), 0),
+                               at(w.dv.view(), w.o.data(), kv_row)),
+                 "dk", "dv");
+  CHECK(w.snapshot() == before);
+
+  // The GPU calls' state and workspace, which no reference call takes: the checks those calls run, on host buffers.
+  test::aligned_buffer state(4096), scratch(4096);
+  char* const state_at = static_cast<char*>(state.data());
+  const auto forward_check = [&](const void* kept, const void* workspace) {
+    return check_linear_forward_disjoint(p, w.q.cview(), w.k.cview(), w.v.cview(), w.o.view(), kept, state.size(),
+                                         workspace, scratch.size());
+  };
+  expect_aliased(forward_check(w.o.data(), scratch.data()), "o_l", "state");
+  expect_aliased(forward_check(state_at, state_at + 256), "state", "workspace");
+  expect_aliased(forward_check(state_at, w.k.data()), "workspace", "k");
+  CHECK(forward_check(state_at, scratch.data()).is_ok());
+  CHECK(forward_check(nullptr, scratch.data()).is_ok()); // no state kept
+  // The backward reads the state: an output over it is rejected, as over any input.
+  const auto backward_check = [&](const void* kept, tensor dv, const void* workspace) {
+    return check_linear_backward_disjoint(p, w.q.cview(), w.k.cview(), w.v.cview(), w.d_o.cview(), kept, state.size(),
+                                          w.dq.view(), w.dk.view(), dv, workspace, scratch.size());
+  };
+  expect_aliased(backward_check(w.dq.data(), w.dv.view(), scratch.data()), "dq", "state");
+  expect_aliased(backward_check(state_at, at(w.dv.view(), scratch.data(), 0), scratch.data()), "dv", "workspace");
+  expect_aliased(backward_check(state_at, w.dv.view(), w.d_o.data()), "workspace", "d_o");
+  expect_aliased(backward_check(state_at, w.dv.view(), state_at + 256), "workspace", "state");
+  CHECK(backward_check(state_at, w.dv.view(), scratch.data()).is_ok());
+  CHECK(backward_check(nullptr, w.dv.view(), scratch.data()).is_ok()); // the state recomputed
+
+  // Disjoint arguments still work, and views interleaved in one buffer give what separate tensors give: q and o_l
+  // as the two halves of each token row of one [B, S, 2·Hq, D] buffer, dk and dv of one [B, S, 2·Hkv, D].
+  REQUIRE(forward_with(w.q.cview(), w.k.cview(), w.v.cview(), w.o.view()).is_ok());
+  REQUIRE(backward_with(w.q.cview(), w.v.cview(), w.d_o.cview(), w.dq.view(), w.dk.view(), w.dv.view()).is_ok());
+  const int64_t hq = p.q_heads, hk = p.kv_heads, d = p.head_dim;
+  host_tensor qo(p.type, p.batch, w.slots, 2 * hq, d), grads(p.type, p.batch, w.slots, 2 * hk, d),
+      dq(p.type, p.batch, w.slots, hq, d);
+  for (host_tensor* t : {&qo, &grads, &dq}) t->fill_byte(test::poison_byte);
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t s = 0; s < w.slots; ++s)
+      for (int64_t h = 0; h < hq; ++h)
+        for (int64_t c = 0; c < d; ++c) qo.set(b, s, h, c, w.q.get(b, s, h, c));
+  const const_tensor packed_q = qo.cview();
+  REQUIRE(forward_with(packed_q, w.k.cview(), w.v.cview(), at(qo.view(), qo.data(), hq * d)).is_ok());
+  REQUIRE(backward_with(packed_q, w.v.cview(), w.d_o.cview(), dq.view(), grads.view(),
+                        at(grads.view(), grads.data(), hk * d))
+              .is_ok());
+  // The heads h0.. h0 + heads - 1 of t, in order.
+  const auto heads_of = [&](const host_tensor& t, int64_t h0, int64_t heads) {
+    std::vector<double> r;
+    for (int64_t b = 0; b < p.batch; ++b)
+      for (int64_t s = 0; s < w.slots; ++s)
+        for (int64_t h = h0; h < h0 + heads; ++h)
+          for (int64_t c = 0; c < d; ++c) r.push_back(t.get(b, s, h, c));
+    return r;
+  };
+  CHECK(heads_of(qo, 0, hq) == heads_of(w.q, 0, hq));
+  CHECK(heads_of(qo, hq, hq) == heads_of(w.o, 0, hq));
+  CHECK(dq.bytes == w.dq.bytes);
+  CHECK(heads_of(grads, 0, hk) == heads_of(w.dk, 0, hk));
+  CHECK(heads_of(grads, hk, hk) == heads_of(w.dv, 0, hk));
+}

@@ -41,6 +41,7 @@ struct arguments {
   feature_map phi = feature_map::elu1;
   float eps = 1e-6f;
   token_order order = token_order::tiled;
+  linear_state kept; // none: the linear forward keeps no state, the backward recomputes it
   options opt;
 };
 
@@ -553,29 +554,62 @@ std::vector<bad_case> linear_cases() {
   };
 }
 
+// The state kept in the buffer at `data` (every buffer the cases place it in holds linear_state_bytes).
+linear_state kept_at(const arguments& a, void* data) { return {data, linear_state_bytes(a.p)}; }
+
 } // namespace
 
 TEST_CASE("linear_attention_forward rejects bad arguments untouched", "[gpu][errors]") {
   const entry_point call = [](arguments& a) {
-    return linear_attention_forward(a.p, a.phi, a.eps, a.order, a.q, a.k, a.v, a.o, a.workspace, a.workspace_bytes,
-                                    nullptr);
+    return linear_attention_forward(a.p, a.phi, a.eps, a.order, a.q, a.k, a.v, a.o, a.kept, a.workspace,
+                                    a.workspace_bytes, nullptr);
+  };
+  // The messages name both arguments, as the pair.
+  const std::vector<bad_case> aliasing = {
+      {"o_l over q", [](arguments& a) { a.o.data = a.q.data; }, errc::aliased, "o_l: shares memory with q,", false},
+      {"k inside o_l", [](arguments& a) { a.k.data = a.o.data; }, errc::aliased, "o_l: shares memory with k,", false},
+      {"v inside o_l one token row on",
+       [](arguments& a) { a.v.data = static_cast<char*>(a.o.data) + a.o.token_stride * 2; }, errc::aliased,
+       "o_l: shares memory with v,", false},
+      {"the state inside o_l", [](arguments& a) { a.kept = kept_at(a, a.o.data); }, errc::aliased,
+       "o_l and state:", false},
+      {"the state inside the workspace", [](arguments& a) { a.kept = kept_at(a, a.workspace); }, errc::aliased,
+       "state and workspace:", false},
+      {"q inside the workspace", [](arguments& a) { a.q.data = a.workspace; }, errc::aliased,
+       "workspace: shares memory with q,", false},
   };
   run_cases(call,
             join(problem_cases(), linear_cases(), tensor_cases("q", &arguments::q), tensor_cases("k", &arguments::k),
-                 tensor_cases("v", &arguments::v), tensor_cases("o_l", &arguments::o), workspace_cases()),
+                 tensor_cases("v", &arguments::v), tensor_cases("o_l", &arguments::o), workspace_cases(), aliasing),
             true);
 }
 
 TEST_CASE("linear_attention_backward rejects bad arguments untouched", "[gpu][errors]") {
   const entry_point call = [](arguments& a) {
-    return linear_attention_backward(a.p, a.phi, a.eps, a.order, a.q, a.k, a.v, a.d_o, a.dq, a.dk, a.dv, a.workspace,
-                                     a.workspace_bytes, nullptr);
+    return linear_attention_backward(a.p, a.phi, a.eps, a.order, a.q, a.k, a.v, a.d_o, a.dq, a.dk, a.dv, a.kept,
+                                     a.workspace, a.workspace_bytes, nullptr);
+  };
+  const std::vector<bad_case> aliasing = {
+      {"dq over d_o", [](arguments& a) { a.dq.data = a.d_o.data; }, errc::aliased, "dq: shares memory with d_o,",
+       false},
+      {"dk over dv", [](arguments& a) { a.dk.data = a.dv.data; }, errc::aliased, "dk and dv:", false},
+      {"dv over k", [](arguments& a) { a.dv.data = a.k.data; }, errc::aliased, "dv: shares memory with k,", false},
+      {"dv inside dk one token row on",
+       [](arguments& a) { a.dv.data = static_cast<char*>(a.dk.data) + a.dk.token_stride * 2; }, errc::aliased,
+       "dk and dv:", false},
+      {"dv inside the workspace", [](arguments& a) { a.dv.data = a.workspace; }, errc::aliased,
+       "dv and workspace:", false},
+      // The state the backward reads, under an output.
+      {"the state inside dq", [](arguments& a) { a.kept = kept_at(a, a.dq.data); }, errc::aliased,
+       "dq: shares memory with state,", false},
+      {"the state inside the workspace", [](arguments& a) { a.kept = kept_at(a, a.workspace); }, errc::aliased,
+       "workspace: shares memory with state,", false},
   };
   run_cases(call,
             join(problem_cases(), linear_cases(), tensor_cases("q", &arguments::q), tensor_cases("k", &arguments::k),
                  tensor_cases("v", &arguments::v), tensor_cases("d_o", &arguments::d_o),
                  tensor_cases("dq", &arguments::dq), tensor_cases("dk", &arguments::dk),
-                 tensor_cases("dv", &arguments::dv), workspace_cases()),
+                 tensor_cases("dv", &arguments::dv), workspace_cases(), aliasing),
             true);
 }
 

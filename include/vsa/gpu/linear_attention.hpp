@@ -290,6 +290,9 @@ inline status linear_attention_forward(const problem& p, feature_map phi, float 
     if (st) st = check_tensor("o_l", o_l, p, p.q_heads, tokens, target::gpu);
     if (st) st = check_workspace(workspace, workspace_bytes, w.bytes);
     if (st) st = gl::check_state(state, p);
+    if (st) {
+      st = check_linear_forward_disjoint(p, q, k, v, o_l, state.data, linear_state_bytes(p), workspace, w.bytes);
+    }
     if (!st) return st;
 
     const gl::sequence seq = gl::make_sequence(p, order);
@@ -355,6 +358,10 @@ inline status linear_attention_backward(const problem& p, feature_map phi, float
     if (st) st = check_tensor("dv", dv, p, p.kv_heads, tokens, target::gpu);
     if (st) st = check_workspace(workspace, workspace_bytes, w.bytes);
     if (st) st = gl::check_state(state, p);
+    if (st) {
+      st = check_linear_backward_disjoint(p, q, k, v, d_o, state.data, linear_state_bytes(p), dq, dk, dv, workspace,
+                                          w.bytes);
+    }
     if (!st) return st;
 
     const gl::sequence seq = gl::make_sequence(p, order);

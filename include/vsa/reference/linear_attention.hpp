@@ -164,6 +164,7 @@ inline status linear_attention_forward(const problem& p, feature_map phi, float 
   if (!s) return s;
   const detail::linear_shape shape{tile_geometry(p.grid), order};
   if (!(s = check_tensor("o_l", o_l, p, p.q_heads, shape.tokens(), target::cpu))) return s;
+  if (!(s = check_linear_forward_disjoint(p, q, k, v, o_l, nullptr, 0, nullptr, 0))) return s;
   return detail::guarded("linear_attention_forward", [&]() {
     const int64_t q_size = p.batch * p.q_heads * shape.tokens() * p.head_dim;
     const int64_t k_size = p.batch * p.kv_heads * shape.tokens() * p.head_dim;
@@ -187,6 +188,7 @@ inline status linear_attention_backward(const problem& p, feature_map phi, float
   if (!(s = check_tensor("dq", dq, p, p.q_heads, shape.tokens(), target::cpu))) return s;
   if (!(s = check_tensor("dk", dk, p, p.kv_heads, shape.tokens(), target::cpu))) return s;
   if (!(s = check_tensor("dv", dv, p, p.kv_heads, shape.tokens(), target::cpu))) return s;
+  if (!(s = check_linear_backward_disjoint(p, q, k, v, d_o, nullptr, 0, dq, dk, dv, nullptr, 0))) return s;
   return detail::guarded("linear_attention_backward", [&]() {
     const int64_t q_size = p.batch * p.q_heads * shape.tokens() * p.head_dim;
     const int64_t k_size = p.batch * p.kv_heads * shape.tokens() * p.head_dim;
