@@ -92,12 +92,7 @@ struct inputs {
 };
 
 // Inputs and lists are drawn once per shape and shared by every benchmark of that shape.
-inputs& inputs_of(const shape& s) {
-  static std::map<std::string, std::unique_ptr<inputs>> cache;
-  auto& slot = cache[s.name];
-  if (!slot) slot = std::make_unique<inputs>(s);
-  return *slot;
-}
+inputs& inputs_of(const shape& s) { return kept<inputs>(s.name, s); }
 // The lists the whole op would select from the inputs themselves (block means, coarse scores, top-k, k2q,
 // through the library's GPU stages). On random normal inputs that selection is skewed: a few key tiles are
 // chosen by most query tiles. The sparse kernels are timed on both kinds of lists, so that what the op adds

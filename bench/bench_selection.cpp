@@ -37,12 +37,20 @@ void set_rate(benchmark::State& state, double bytes) {
   state.counters["GB/s"] = benchmark::Counter(bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
 
+// q-head tensors in raster and in tiled order.
+struct layout_inputs {
+  stage_inputs in;
+  buffer raster, tiled;
+  explicit layout_inputs(const shape& s)
+      : in(s), raster(random_elements(in.p.batch * in.raster_tokens * in.p.q_heads * in.p.head_dim, in.p.type, 1)),
+        tiled(random_elements(in.p.batch * in.tokens * in.p.q_heads * in.p.head_dim, in.p.type, 2)) {}
+};
+
 void tile_stage(benchmark::State& state, const shape& s, bool to_tiled) {
-  const stage_inputs in(s);
+  const layout_inputs& l = kept<layout_inputs>(s.name, s);
+  const stage_inputs& in = l.in;
   const int64_t heads = in.p.q_heads;
-  buffer raster = random_elements(in.p.batch * in.raster_tokens * heads * in.p.head_dim, in.p.type, 1);
-  buffer tiled = random_elements(in.p.batch * in.tokens * heads * in.p.head_dim, in.p.type, 2);
-  const tensor r = in.view(raster, in.raster_tokens, heads), t = in.view(tiled, in.tokens, heads);
+  const tensor r = in.view(l.raster, in.raster_tokens, heads), t = in.view(l.tiled, in.tokens, heads);
   time_on_stream(state, nullptr, [&] {
     if (to_tiled)
       check(tile(in.p, heads, as_const(r), t, nullptr), "tile");
@@ -54,12 +62,23 @@ void tile_stage(benchmark::State& state, const shape& s, bool to_tiled) {
                            : 2 * in.bytes(in.raster_tokens, heads));
 }
 
+// o_s (or dO), the gate, o_c, and room for o (or dgate) and d_o_c.
+struct combine_inputs {
+  stage_inputs in;
+  int64_t elems, coarse;
+  buffer x, gate, o_c, out, d_o_c;
+  explicit combine_inputs(const shape& s)
+      : in(s), elems(in.p.batch * in.tokens * in.p.q_heads * in.p.head_dim),
+        coarse(in.p.batch * in.p.q_heads * in.n * in.p.head_dim), x(random_elements(elems, in.p.type, 3)),
+        gate(random_elements(elems, in.p.type, 4)), o_c(random_elements(coarse, in.p.type, 5)), out(elems * 2),
+        d_o_c(coarse * 2) {}
+};
+
 void combine_stage(benchmark::State& state, const shape& s, bool backward) {
-  const stage_inputs in(s);
-  const int64_t h = in.p.q_heads, elems = in.p.batch * in.tokens * h * in.p.head_dim;
-  buffer x = random_elements(elems, in.p.type, 3), gate = random_elements(elems, in.p.type, 4),
-         o_c = random_elements(in.p.batch * h * in.n * in.p.head_dim, in.p.type, 5), out(elems * 2),
-         d_o_c(in.p.batch * h * in.n * in.p.head_dim * 2);
+  combine_inputs& c = kept<combine_inputs>(s.name, s);
+  const stage_inputs& in = c.in;
+  const int64_t h = in.p.q_heads;
+  const buffer &x = c.x, &gate = c.gate, &o_c = c.o_c, &out = c.out, &d_o_c = c.d_o_c;
   const const_tensor xv = as_const(in.view(x, in.tokens, h)), gv = as_const(in.view(gate, in.tokens, h));
   const tensor ov = in.view(out, in.tokens, h);
   time_on_stream(state, nullptr, [&] {
@@ -104,7 +123,7 @@ struct means_inputs {
 };
 
 void means_stage(benchmark::State& state, const shape& s) {
-  means_inputs m(s);
+  means_inputs& m = kept<means_inputs>(s.name, s);
   time_on_stream(state, nullptr, [&] { m.run(); });
   set_rate(state, m.bytes());
 }
@@ -141,7 +160,7 @@ struct selection_inputs {
 };
 
 void top_k_stage(benchmark::State& state, const shape& s) {
-  selection_inputs sel(s);
+  selection_inputs& sel = kept<selection_inputs>(s.name, s);
   time_on_stream(state, nullptr, [&] { sel.select(sel.scores.get<float>()); });
   state.counters["N"] = double(sel.in.n);
   state.counters["k"] = double(sel.in.k);
@@ -149,7 +168,7 @@ void top_k_stage(benchmark::State& state, const shape& s) {
 }
 
 void k2q_stage(benchmark::State& state, const shape& s) {
-  selection_inputs sel(s);
+  selection_inputs& sel = kept<selection_inputs>(s.name, s);
   sel.select(sel.scores.get<float>());
   time_on_stream(state, nullptr, [&] { sel.index(); });
   state.counters["N"] = double(sel.in.n);
@@ -177,7 +196,7 @@ struct coarse_inputs {
 
 // Coarse attention alone, on the means the block-means stage produced.
 void coarse_stage(benchmark::State& state, const shape& s) {
-  coarse_inputs c(s);
+  coarse_inputs& c = kept<coarse_inputs>(s.name, s);
   c.m.run();
   time_on_stream(state, nullptr, [&] { c.coarse(); });
   state.counters["N"] = double(c.m.in.n);
@@ -185,7 +204,7 @@ void coarse_stage(benchmark::State& state, const shape& s) {
 
 // Block means -> coarse attention (scores, o_c, lse_c) -> top-k -> k2q: everything before the sparse pass.
 void chain_stage(benchmark::State& state, const shape& s) {
-  coarse_inputs c(s);
+  coarse_inputs& c = kept<coarse_inputs>(s.name, s);
   time_on_stream(state, nullptr, [&] {
     c.m.run();
     c.coarse();
@@ -196,9 +215,16 @@ void chain_stage(benchmark::State& state, const shape& s) {
   state.counters["k"] = double(c.m.in.k);
 }
 
+// Two 2 GiB buffers, the source random.
+struct copy_inputs {
+  std::size_t bytes = std::size_t(2) << 30;
+  buffer a = random_elements(bytes / 2, dtype::bf16, 9), b{bytes};
+};
+
 void copy_bandwidth(benchmark::State& state) {
-  const std::size_t bytes = std::size_t(2) << 30;
-  buffer a = random_elements(bytes / 2, dtype::bf16, 9), b(bytes);
+  const copy_inputs& c = kept<copy_inputs>("copy");
+  const std::size_t bytes = c.bytes;
+  const buffer &a = c.a, &b = c.b;
   time_on_stream(state, nullptr, [&] { check(copy_device(b.get(), a.get(), bytes, nullptr), "copy"); });
   set_rate(state, 2.0 * bytes); // read + written
 }

@@ -14,7 +14,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <map>
+#include <memory>
 #include <random>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -96,35 +98,45 @@ private:
   std::size_t bytes_ = 0;
 };
 
-// A device buffer of n 16-bit elements of normal random values (never zeros: zeros run faster than data).
-// Box–Muller over a xorshift generator: the anchor shapes need ~10^8 values, which std::normal_distribution
-// would take many seconds to draw. Each (n, type, seed) is drawn once per process; every later call (another
-// benchmark of the shape, the next repetition) gets a device copy of that draw, milliseconds instead of the
-// second or more the draw takes.
+// A T made from args once per key and kept for the process. Google Benchmark calls a benchmark function again
+// for each repetition and for each trial of its iteration count; inputs built there (allocations, host draws,
+// uploads, synchronisations) would cost the run more than its timing.
+template <class T, class... Args> T& kept(const std::string& key, const Args&... args) {
+  static std::map<std::string, std::unique_ptr<T>> made;
+  auto& slot = made[key];
+  if (!slot) slot = std::make_unique<T>(args...);
+  return *slot;
+}
+
+// Element i of random_elements' draw: Box–Muller over two uniforms hashed (splitmix64) from the seed and i / 2, the
+// cosine for even i and the sine for odd, rounded to E as the library rounds.
+__device__ inline uint64_t splitmix64(uint64_t z) {
+  z += 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+template <class E> __global__ void random_normal_kernel(uint16_t* x, int64_t n, uint64_t seed) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const uint64_t h = splitmix64(splitmix64(seed) ^ static_cast<uint64_t>(i / 2));
+  const float u1 = static_cast<float>((h >> 40) + 1) * (1.0f / 16777217.0f); // (0, 1)
+  const float u2 = static_cast<float>((h >> 16) & 0xffffffu) * (1.0f / 16777216.0f);
+  const float r = sqrtf(-2.f * logf(u1)), a = 6.2831853f * u2;
+  x[i] = static_cast<uint16_t>(E::pack(i % 2 ? r * sinf(a) : r * cosf(a), 0.f) & 0xffffu);
+}
+
+// A device buffer of n 16-bit elements of normal random values (never zeros: zeros run faster than data), drawn
+// on the device: the anchor shapes need ~10^8 values, which the host took seconds to draw.
 inline buffer random_elements(int64_t n, dtype t, uint64_t seed) {
-  static std::map<std::tuple<int64_t, int, uint64_t>, buffer> drawn;
-  buffer& first = drawn[std::make_tuple(n, static_cast<int>(t), seed)];
-  if (first.get() == nullptr) {
-    std::vector<uint16_t> host(static_cast<std::size_t>(n));
-    uint64_t x = seed * 0x9e3779b97f4a7c15ull + 1;
-    const auto next = [&] {
-      x ^= x << 13;
-      x ^= x >> 7;
-      x ^= x << 17;
-      return static_cast<float>((x >> 40) + 1) * (1.0f / 16777217.0f); // (0, 1)
-    };
-    for (std::size_t i = 0; i < host.size(); i += 2) {
-      const float r = std::sqrt(-2.f * std::log(next())), a = 6.2831853f * next();
-      const float v[2] = {r * std::cos(a), r * std::sin(a)};
-      for (std::size_t j = 0; j < 2 && i + j < host.size(); ++j)
-        host[i + j] = t == dtype::bf16 ? float_to_bf16(v[j]) : float_to_fp16(v[j]);
-    }
-    first = buffer(host.size() * 2);
-    check(copy_to_device(first.get(), host.data(), host.size() * 2), "upload");
-  }
-  buffer b(first.bytes());
-  check(copy_device(b.get(), first.get(), first.bytes(), nullptr), "copy");
-  check(device_sync(), "copy");
+  buffer b(static_cast<std::size_t>(n) * 2);
+  const unsigned blocks = static_cast<unsigned>((n + 255) / 256);
+  if (t == dtype::bf16)
+    random_normal_kernel<gpu::bf16_type><<<blocks, 256>>>(b.get<uint16_t>(), n, seed);
+  else
+    random_normal_kernel<gpu::fp16_type><<<blocks, 256>>>(b.get<uint16_t>(), n, seed);
+  check(gpu::last_error(), "random draw");
+  check(device_sync(), "random draw");
   return b;
 }
 
@@ -170,6 +182,15 @@ inline constexpr double hold_cycles_per_us = 2000.0;
 // minutes with one call a pass.
 inline constexpr double batch_ms = 1.0;
 inline constexpr int max_batch = 64;
+// VSA_BENCH_ONE_CALL=1 in the environment times one call a pass whatever its length: to tell whether back-to-back
+// calls of a stage run slower or faster than one call alone.
+inline bool one_call_a_pass() {
+  static const bool one = [] {
+    const char* v = std::getenv("VSA_BENCH_ONE_CALL");
+    return v != nullptr && v[0] == '1';
+  }();
+  return one;
+}
 
 // Times f on the stream with events after a few warm-up calls; Google Benchmark reports the statistics (run with
 // --benchmark_repetitions and the median). Each pass's launches queue behind hold_stream_kernel, so the start
@@ -204,7 +225,7 @@ template <class F> void time_on_stream(benchmark::State& state, gpu::stream_t st
   double host_us = 0.0;
   const float pilot_ms = pass(pilot, hold_cycles, host_us);
   int batch = 1;
-  while (2 * batch <= max_batch && 2 * batch * (pilot_ms / pilot) <= batch_ms) batch *= 2;
+  while (!one_call_a_pass() && 2 * batch <= max_batch && 2 * batch * (pilot_ms / pilot) <= batch_ms) batch *= 2;
   const long long hold =
       std::max(hold_cycles, static_cast<long long>(2.0 * host_us / pilot * batch * hold_cycles_per_us));
   // Each pass runs `batch` calls, or what is left of the iterations Google Benchmark asked for, so that every

@@ -3,7 +3,8 @@
 // warp-specialized Hopper kernel (hopper/dkdv.hpp), each launched alone on the library's order and delta; the dq
 // kernel alone (its share of the backward); and the library's whole sparse backward. Checks the Hopper kernel's dk
 // and dv against the portable kernel's (dV bitwise, dK within the rounding of P's fp16 hand-over). The variants
-// the Hopper kernel came from, and their figures, are in bench/NOTES.md (v17, v18).
+// the Hopper kernel came from, and their figures, are in bench/NOTES.md (v17, v18); its stage counts (variants
+// below), v19.
 //
 //   nvcc -std=c++17 -O3 --expt-relaxed-constexpr -arch=sm_90a -I include -o hopper_backward
 //   bench/probes/hopper_backward.cu
@@ -12,13 +13,14 @@
 #include "vsa/vsa.hpp"
 
 #include "probe_check.hpp"
-#include "probe_inputs.hpp"
+#include "probe_backward.hpp"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <numeric>
 #include <random>
+#include <tuple>
 #include <vector>
 
 using namespace vsa;
@@ -26,65 +28,25 @@ namespace gd = vsa::gpu::detail;
 
 constexpr int D = 128;
 using E = gpu::bf16_type;
-using M = gpu::attention_mma<E, D>;
+
+// Tunings of the Hopper dk/dv timed beside the library's (hopper::dkdv_tuning): its stage count. Other tunings
+// tried (head dim 64, two blocks an SM) are on the branch the notes name (bench/NOTES.md, v19).
+template <int Stages> struct tuning : gd::hopper::dkdv_tuning { static constexpr int stages = Stages; };
+using variants = std::tuple<tuning<3>, tuning<5>>;
 
 int main(int argc, char** argv) {
   const float amp = argc > 1 ? std::atof(argv[1]) : 1.f; // input scale (scores grow with its square)
-  const problem p = probe::wan21();
-  const tile_geometry geo(p.grid);
-  const int64_t n = geo.num_tiles(), S = geo.tiled_tokens(), rows = p.q_heads * n, K = (n + 5) / 10;
-  const int64_t elems = S * p.q_heads * D;
-  std::vector<int32_t> q2k = probe::uniform_q2k(rows, n, K), count(rows, static_cast<int32_t>(K)), k2q(rows * K),
-                       offset(p.q_heads * (n + 1));
-  if (!reference::build_k2q(p, {q2k.data(), count.data(), K, k2q.data(), offset.data()})) return 1;
-  const int32_t *dq2k = probe::to_device(q2k), *dcount = probe::to_device(count), *dk2q = probe::to_device(k2q),
-                *doff = probe::to_device(offset);
-  if (!dq2k || !dcount || !dk2q || !doff) return std::printf("copying the lists failed\n"), 1;
-  const const_index_lists idx{dq2k, dcount, K, dk2q, doff};
-  uint16_t *q, *k, *v, *o, *dO, *dq, *dk, *dv, *dq2, *dk2, *dv2; // dq2: the dq kernel's, alone
-  float* lse;
-  for (uint16_t** x : {&q, &k, &v, &o, &dO, &dq, &dk, &dv, &dq2, &dk2, &dv2}) CHECK(cudaMalloc(x, elems * 2));
-  CHECK(cudaMalloc(&lse, rows * 64 * 4));
-  uint32_t seed = 1;
-  for (uint16_t* x : {q, k, v, dO}) probe::fill<E><<<(elems + 255) / 256, 256>>>(x, elems, seed++ * 0x9e3779b9u, amp);
-  CHECK(cudaGetLastError());
-  const auto view = [&](void* d) { return bshd<void*>(d, 1, S, p.q_heads, D); };
-  const float scale = 1.f / std::sqrt(float(D));
-  status st = sparse_attention_forward(p, scale, as_const(view(q)), as_const(view(k)), as_const(view(v)), idx, view(o),
-                                       lse, nullptr);
-  if (!st) return std::printf("%s\n", st.message()), 1;
-  std::size_t ws_bytes = sparse_attention_backward_workspace(p);
-  void* ws;
-  CHECK(cudaMalloc(&ws, ws_bytes));
-  const auto library = [&] {
-    return sparse_attention_backward(p, scale, as_const(view(q)), as_const(view(k)), as_const(view(v)),
-                                     as_const(view(o)), as_const(view(dO)), lse, idx, view(dq), view(dk), view(dv), ws,
-                                     ws_bytes, nullptr);
-  };
-  st = library();
-  if (!st) return std::printf("%s\n", st.message()), 1;
-  CHECK(cudaDeviceSynchronize());
-
-  // The parameters the library's dk/dv kernel gets (delta and order: the workspace the call above filled).
-  const auto ks = detail::k2q_schedule(p, idx);
-  gd::backward_params bp =
-      detail::sparse_backward_params(p, scale, as_const(view(q)), as_const(view(k)), as_const(view(v)),
-                                     as_const(view(dO)), view(dq2), view(dk2), view(dv2), lse);
-  {
-    const detail::sparse_backward_scratch pieces(p);
-    unsigned char* at = static_cast<unsigned char*>(ws);
-    bp.delta = reinterpret_cast<float*>(at);
-    bp.order = reinterpret_cast<int32_t*>(at + pieces.delta + pieces.counts);
-  }
-  const auto map = [&](gpu::tma_map& m, const gd::operand& x, int64_t heads) {
-    return gpu::encode_tile_map(m, x.data, 1, S, heads, D, x.batch, x.token, x.head);
-  };
-  if (!(map(bp.k_map, bp.k, 12) && map(bp.v_map, bp.v, 12) && map(bp.q_map, bp.q, 12) && map(bp.do_map, bp.d_o, 12)))
-    return std::printf("map\n"), 1;
-  bp.tma = 1;
-  const unsigned blocks = static_cast<unsigned>(n * p.kv_heads);
-  const auto qs = detail::q2k_schedule(p, idx);
-  const dim3 qgrid(static_cast<unsigned>(n), static_cast<unsigned>(p.q_heads), 1);
+  probe::backward_setup<E, D> x;
+  if (!x.make(probe::wan21(), amp)) return 1;
+  const int64_t n = x.n, elems = x.elems;
+  uint16_t *dk = x.dk, *dv = x.dv, *dk2 = x.dk2, *dv2 = x.dv2; // the library's, then the kernels' alone
+  gd::backward_params& bp = x.bp;
+  const auto qs = x.q_schedule();
+  const auto ks = x.k_schedule();
+  const auto view = [&](void* d) { return x.view(d); };
+  const auto library = [&] { return x.library(); };
+  const unsigned blocks = static_cast<unsigned>(n * x.p.kv_heads);
+  const dim3 qgrid(static_cast<unsigned>(n), static_cast<unsigned>(x.p.q_heads), 1);
   const auto lib_dq_kernel = gd::attention_dq_kernel<E, D, gd::sparse_schedule, true>;
   const int lib_dq_smem = gpu::smem_plan<D>::backward_bytes(true);
   CHECK(cudaFuncSetAttribute(lib_dq_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, lib_dq_smem));
@@ -105,12 +67,23 @@ int main(int argc, char** argv) {
     CHECK(cudaDeviceSynchronize());
     return 0;
   }
-  const double pairs = static_cast<double>(K) * rows, product = 2.0 * 64 * 64 * D;
+  const double pairs = x.pairs(), product = 2.0 * 64 * 64 * D;
   const double dkdv_flops = 4 * product * pairs, dq_flops = 3 * product * pairs;
-  const auto compare = [&](const char* name, const uint16_t* x, const uint16_t* y) {
-    probe::compare_bf16(name, x, y, elems);
+  const auto compare = [&](const char* name, const uint16_t* a, const uint16_t* b) {
+    probe::compare_bf16(name, a, b, elems);
   };
 
+  // Each tuning of `variants`: timed after the library's kernels in each round, then checked bitwise against the
+  // library's tuning (the tuning changes no arithmetic).
+  const auto each_variant = [&](auto&& f) { std::apply([&](auto... t) { (f(t), ...); }, variants{}); };
+  const auto variant_launch = [&](auto t) {
+    using T = decltype(t);
+    const auto kern = gd::hopper::hopper_dkdv_kernel<E, D, T>;
+    const int smem = gd::hopper::dkdv_plan<D, T>::bytes;
+    if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
+      std::printf("setting a variant's shared memory failed\n");
+    return [=] { kern<<<blocks, gd::hopper::block_threads, smem>>>(bp, ks); };
+  };
   for (int round = 0; round < 2; ++round) {
     const float tb = probe::median_ms([&] { (void)library(); });
     const float tq = probe::median_ms(lib_dq);
@@ -118,10 +91,15 @@ int main(int argc, char** argv) {
     std::printf("round %d: library backward %.3f ms | dq %.3f ms (%.0f TFLOP/s) | dk/dv: portable %.3f (%.0f), "
                 "Hopper %.3f (%.0f)\n",
                 round, tb, tq, dq_flops / tq * 1e-9, tl, dkdv_flops / tl * 1e-9, th, dkdv_flops / th * 1e-9);
+    each_variant([&](auto t) {
+      using T = decltype(t);
+      const float tv = probe::median_ms(variant_launch(t));
+      std::printf("  Hopper, %d stages: %.3f ms (%.0f)\n", T::stages, tv, dkdv_flops / tv * 1e-9);
+    });
   }
   CHECK(cudaGetLastError());
   // The portable kernel's dk, dv (poisoned first), then the Hopper kernel's into the library's outputs.
-  for (uint16_t* x : {dk2, dv2, dk, dv}) CHECK(cudaMemset(x, 0xff, elems * 2));
+  for (uint16_t* t : {dk2, dv2, dk, dv}) CHECK(cudaMemset(t, 0xff, elems * 2));
   lib_dkdv();
   CHECK(cudaDeviceSynchronize());
   bp.dk = gd::make_operand(view(dk));
@@ -131,5 +109,20 @@ int main(int argc, char** argv) {
   std::printf("Hopper kernel against the portable one:\n");
   compare("dk", dk2, dk);
   compare("dv", dv2, dv);
+  each_variant([&](auto t) {
+    using T = decltype(t);
+    // (no CHECK here: it returns an int, and this lambda returns nothing)
+    bool ok = cudaMemset(dk2, 0xff, elems * 2) == cudaSuccess && cudaMemset(dv2, 0xff, elems * 2) == cudaSuccess;
+    gd::backward_params saved = bp;
+    bp.dk = gd::make_operand(view(dk2));
+    bp.dv = gd::make_operand(view(dv2));
+    variant_launch(t)();
+    bp = saved;
+    ok = ok && cudaDeviceSynchronize() == cudaSuccess;
+    if (!ok) return (void)std::printf("a variant's launch failed: %s\n", cudaGetErrorString(cudaGetLastError()));
+    std::printf("Hopper, %d stages, against the library's tuning:\n", T::stages);
+    compare("dk", dk, dk2);
+    compare("dv", dv, dv2);
+  });
   return 0;
 }

@@ -1,5 +1,6 @@
-// The probes' inputs: the wan2.1-1.3b-480p problem (bf16, D = 128), uniform random q2k lists of a tenth of the
-// tiles, and random 16-bit elements written on the device; and their timing: the median of 20 runs after one.
+// The probes' inputs: the wan2.1-1.3b-480p problem (bf16, D = 128) and hd64-32k (D = 64), uniform random q2k lists of a
+// tenth of the tiles, and random 16-bit elements written on the device; and their timing: the median of 20 runs after
+// one.
 #pragma once
 
 #include "vsa/vsa.hpp"
@@ -23,6 +24,15 @@ inline vsa::problem wan21() {
   p.head_dim = 128;
   p.grid = {21, 30, 52};
   p.type = vsa::dtype::bf16;
+  return p;
+}
+
+// hd64-32k: 16 heads of head dim 64 over a 32 × 32 × 32 grid (no partial tiles).
+inline vsa::problem hd64() {
+  vsa::problem p = wan21();
+  p.q_heads = p.kv_heads = 16;
+  p.head_dim = 64;
+  p.grid = {32, 32, 32};
   return p;
 }
 

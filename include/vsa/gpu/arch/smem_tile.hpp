@@ -80,6 +80,19 @@ inline constexpr int forward_min_blocks([[maybe_unused]] bool hopper, [[maybe_un
 #endif
 }
 
+// The backward's portable kernels' second launch bound, from their MinBlocks template argument (a probe's; 0 by
+// default, no bound). With none, ptxas picks their registers itself (Hopper, D = 64: 128 for dq, 165 for dk/dv: four
+// and three blocks an SM); a bound of one block would let it take up to 255 (152 and 203), and caps of five dq or
+// four dk/dv blocks spill and measured 1.5x and 1.8x slower on the H200 (bench/NOTES.md, v19). CDNA reads the
+// second bound as waves an execution unit: none there.
+inline constexpr int backward_min_blocks([[maybe_unused]] int asked) {
+#if VSA_PLATFORM_AMD
+  return 0;
+#else
+  return asked;
+#endif
+}
+
 // Whether the device code being compiled is Hopper's or later (sm_90+): the forward then runs its one-stage
 // pipeline. The host learns the same of a kernel from the binary version of the code it runs as.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

@@ -82,8 +82,9 @@ __device__ __forceinline__ void store_band(const typename M::out_tile& acc, floa
 }
 
 // Narrow, as for the forward: steps over partial key tiles cover their valid rows only (with_step_width).
-template <class E, int D, class Sched, bool Narrow = false>
-__global__ void __launch_bounds__((4 * warp_mma<E, D>::threads))
+// MinBlocks: blocks an SM to cap the registers for, 0 for no cap (backward_min_blocks).
+template <class E, int D, class Sched, bool Narrow = false, int MinBlocks = 0>
+__global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), backward_min_blocks(MinBlocks))
     attention_dq_kernel(const VSA_GRID_CONSTANT backward_params p, Sched s) {
   using M = attention_mma<E, D>;
   constexpr int nthreads = 4 * M::threads;
@@ -241,7 +242,8 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads))
 // kernel spill on gfx940 (bench/NOTES.md, v12). Where two stages fit (smem_plan::dkdv_stages) the next pair's
 // Q, dO and row statistics are asked for at the start of a step, into the other stage, and waited for at its
 // end; each step's four products go as two pairs (nt_pair, nn_pair), one wait each.
-template <class E, int D, class Sched> __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads))
+template <class E, int D, class Sched, int MinBlocks = 0>
+__global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), backward_min_blocks(MinBlocks))
     attention_dkdv_kernel(const VSA_GRID_CONSTANT backward_params p, Sched s) {
   using M = attention_mma<E, D>;
   constexpr int nthreads = 4 * M::threads;

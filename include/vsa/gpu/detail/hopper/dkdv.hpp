@@ -37,10 +37,14 @@ namespace gpu {
 namespace detail {
 namespace hopper {
 
-// The ring of Q/dO stages, measured on the H200 before the products overlapped (bench/NOTES.md, v17): 3 stages
-// 4.48 ms, 4 stages 4.09-4.11, 5 stages 4.34-4.40. A stage is now freed a pair later (after the second product that
-// reads it, issued with the next pair's first), so four hold one pair fewer ahead; not measured again.
-inline constexpr int dkdv_stages = 4;
+// The kernel's tuning: the ring of Q/dO stages, and the registers a thread setmaxnreg leaves the producer warpgroup
+// and gives each consumer (their sum over the block within the 168 a thread that the launch bounds grant 384
+// threads). Stages measured on the H200 (dk/dv alone, wan2.1; bench/NOTES.md): before the products overlapped (v17)
+// 3 stages 4.48 ms, 4 stages 4.09-4.11, 5 stages 4.34-4.40; with the overlap (v19) 3 stages 4.08-4.31, 4 stages
+// 3.69-4.17, 5 stages 3.87-3.92, the same run. A type, so that a probe can time others.
+struct dkdv_tuning {
+  static constexpr int stages = 4, producer_regs = 40, consumer_regs = 232;
+};
 
 // What the producer leaves in a stage beside its tiles.
 struct dkdv_stage_info {
@@ -49,11 +53,13 @@ struct dkdv_stage_info {
   int pad[3];
 };
 
-template <int D> struct dkdv_plan {
+template <int D, class T = dkdv_tuning> struct dkdv_plan {
   static constexpr int tile = smem_tile<D>::bytes;
-  static constexpr int bytes = (2 + 2 * dkdv_stages) * tile + score_handoff_bytes +
-                               dkdv_stages * static_cast<int>(sizeof(dkdv_stage_info)) + smem_slack;
+  static constexpr int bytes = (2 + 2 * T::stages) * tile + score_handoff_bytes +
+                               T::stages * static_cast<int>(sizeof(dkdv_stage_info)) + smem_slack;
   static_assert(bytes + 1024 <= 227 * 1024, "Hopper grants a block 227 KiB of shared memory (static included)");
+  static_assert(T::producer_regs + 2 * T::consumer_regs <= 3 * (65536 / block_threads / 8 * 8),
+                "setmaxnreg cannot give the consumers more registers than the block holds");
 };
 
 // The (query head, list position) pairs of one key tile, in the portable kernel's order: the lists of every head
@@ -77,15 +83,15 @@ struct dkdv_pairs {
   __device__ __forceinline__ bool done() const { return g >= p.group; }
 };
 
-// Launched with block_threads threads and dkdv_plan<D>::bytes of shared memory, a block per entry of p.order; only
+// Launched with block_threads threads and dkdv_plan<D, T>::bytes of shared memory, a block per entry of p.order; only
 // where the kernel runs as sm_90a code and the tiles' maps encode (backward_params::tma; attention_launch.hpp). The
 // launcher tells the compiled body from the empty one of other builds by the barriers' static shared memory.
-template <class E, int D> __global__ void __launch_bounds__(block_threads, 1)
+template <class E, int D, class T = dkdv_tuning> __global__ void __launch_bounds__(block_threads, 1)
     hopper_dkdv_kernel(const VSA_GRID_CONSTANT backward_params p, const VSA_GRID_CONSTANT sparse_schedule s) {
-  static_assert(D == 128, "the split pays at head dim 128; D = 64 keeps the portable kernel");
+  static_assert(D == 128, "the split pays at head dim 128; D = 64 keeps the portable kernel (bench/NOTES.md, v19)");
 #if VSA_WGMMA
   using M = attention_mma<E, D>;
-  constexpr int stages = dkdv_stages;
+  constexpr int stages = T::stages;
   extern __shared__ uint4 smem_raw[];
   uint16_t* sm = aligned_smem(smem_raw);
   const smem_tile<D> sk{sm}, sv{sm + 64 * D};
@@ -115,7 +121,7 @@ template <class E, int D> __global__ void __launch_bounds__(block_threads, 1)
   dkdv_pairs it{p, s, b, hk, j, 0, 0, 0};
   it.first();
   if (wg == 2) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(T::producer_regs) : "memory");
     if (wtid >= 32) return;
     const auto counter = s.valid_counter();
     for (int n = 0; !it.done(); it.next(), ++n) { // under 2^31 pairs: the launcher's condition
@@ -135,7 +141,7 @@ template <class E, int D> __global__ void __launch_bounds__(block_threads, 1)
     }
     return;
   }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;" ::: "memory");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(T::consumer_regs) : "memory");
 
   // K and V of the block's key tile (padding rows zero-filled), by both consumers.
   copy_tile(sk, p.k.tile(b, hk, j), p.k.token, kv, tid, 256);
@@ -168,10 +174,11 @@ template <class E, int D> __global__ void __launch_bounds__(block_threads, 1)
   const auto make_ds = [&](int n, int buf) {
     const int qv = info[buf].valid;
     const float* delta = info[buf].delta;
-    float pr[M::score_elems];
-    hand.take(n, wtid, pr);
+    uint32_t pw[M::score_elems / 2];
+    hand.take(n, wtid, pw);
 #pragma unroll
-    for (int e = 0; e < M::score_elems; ++e) x.x[e] = live(e, qv) ? pr[e] * (x.x[e] - delta[M::elem_col(e)]) : 0.f;
+    for (int e = 0; e < M::score_elems; ++e)
+      x.x[e] = live(e, qv) ? score_handoff::at(pw, e) * (x.x[e] - delta[M::elem_col(e)]) : 0.f;
     tma::clear_rows_then<D>(sq(buf), qv, wtid, 128, tile_rows, [] { tma::named_sync(consumer1_barrier, 128); });
   };
   // The block's own tile, K for consumer 0 and V for consumer 1, is the first product's A operand (band_of).
