@@ -27,14 +27,24 @@ def raster_tokens(grid):
     return t * h * w
 
 
+def heads_major(x):
+    """Whether a [B, S, H, D] view is [B, H, S, D] memory: its head stride exceeds its token stride."""
+    return x.stride(2) > x.stride(1)
+
+
+def empty_bshd(like, shape, heads_major, dtype=None):
+    """A new [B, S, H, D] tensor on like's device, [B, H, S, D] memory where heads_major."""
+    b, s, h, d = shape
+    dtype = like.dtype if dtype is None else dtype
+    if heads_major:
+        return like.new_empty((b, h, s, d), dtype=dtype).transpose(1, 2)
+    return like.new_empty((b, s, h, d), dtype=dtype)
+
+
 def empty_like_layout(like, tokens, heads, dtype=None):
     """An output [B, tokens, heads, D] laid out as `like` is: [B, H, S, D] memory when like's head stride exceeds
     its token stride, [B, S, H, D] otherwise (the rule of the C++ kernels, csrc/common.hpp)."""
-    b, d = like.shape[0], like.shape[3]
-    dtype = like.dtype if dtype is None else dtype
-    if like.stride(2) > like.stride(1):
-        return like.new_empty((b, heads, tokens, d), dtype=dtype).transpose(1, 2)
-    return like.new_empty((b, tokens, heads, d), dtype=dtype)
+    return empty_bshd(like, (like.shape[0], tokens, heads, like.shape[3]), heads_major(like), dtype)
 
 
 def to_bshd(x, layout):
