@@ -63,14 +63,6 @@ void op_forward_backward(benchmark::State& state, const shape& s, bool backward_
   time_op(state, inputs_of(s), options{}, backward_pass, host);
 }
 
-void copy_bandwidth(benchmark::State& state) {
-  const std::size_t bytes = std::size_t(2) << 30;
-  buffer a = random_elements(bytes / 2, dtype::bf16, 9), b(bytes);
-  time_on_stream(state, nullptr, [&] { check(copy_device(b.get(), a.get(), bytes, nullptr), "copy"); });
-  state.counters["GB/s"] =
-      benchmark::Counter(2.0 * bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate); // read + written
-}
-
 const bool registered = [] {
   benchmark::RegisterBenchmark("copy_bandwidth", copy_bandwidth)->UseManualTime()->Unit(benchmark::kMillisecond);
   for (const shape& s : anchors()) {

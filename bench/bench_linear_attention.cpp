@@ -73,7 +73,7 @@ void report(benchmark::State& state, double bytes) {
 }
 
 void linear_forward(benchmark::State& state, const shape& s, feature_map phi) {
-  inputs in(s);
+  inputs& in = kept<inputs>(s.name, s);
   const auto q = as_const(in.view(in.q, in.p.q_heads)), k = as_const(in.view(in.k, in.p.kv_heads)),
              v = as_const(in.view(in.v, in.p.kv_heads));
   const tensor o = in.view(in.o, in.p.q_heads);
@@ -90,7 +90,7 @@ void linear_forward(benchmark::State& state, const shape& s, feature_map phi) {
 }
 
 void linear_backward(benchmark::State& state, const shape& s, feature_map phi) {
-  inputs in(s);
+  inputs& in = kept<inputs>(s.name, s);
   const auto q = as_const(in.view(in.q, in.p.q_heads)), k = as_const(in.view(in.k, in.p.kv_heads)),
              v = as_const(in.view(in.v, in.p.kv_heads)), d_o = as_const(in.view(in.d_o, in.p.q_heads));
   const tensor dq = in.view(in.dq, in.p.q_heads), dk = in.view(in.dk, in.p.kv_heads),
@@ -111,7 +111,7 @@ void linear_backward(benchmark::State& state, const shape& s, feature_map phi) {
 
 // The backward given the state its forward kept (linear_state): no pass over k and v for the state.
 void linear_backward_saved(benchmark::State& state, const shape& s, feature_map phi) {
-  inputs in(s);
+  inputs& in = kept<inputs>(s.name, s);
   const auto q = as_const(in.view(in.q, in.p.q_heads)), k = as_const(in.view(in.k, in.p.kv_heads)),
              v = as_const(in.view(in.v, in.p.kv_heads)), d_o = as_const(in.view(in.d_o, in.p.q_heads));
   const tensor o = in.view(in.o, in.p.q_heads), dq = in.view(in.dq, in.p.q_heads), dk = in.view(in.dk, in.p.kv_heads),
@@ -136,14 +136,6 @@ void linear_backward_saved(benchmark::State& state, const shape& s, feature_map 
   report(state, 3 * in.tensor_bytes(in.p.q_heads) + 4 * in.tensor_bytes(in.p.kv_heads));
   state.counters["workspace_MB"] = double(bytes) * 1e-6;
   state.counters["state_MB"] = double(state_bytes) * 1e-6;
-}
-
-void copy_bandwidth(benchmark::State& state) {
-  const std::size_t bytes = std::size_t(1) << 31;
-  buffer a(bytes), b(bytes);
-  time_on_stream(state, nullptr, [&] { check(copy_device(b.get(), a.get(), bytes, nullptr), "copy"); });
-  state.counters["GB/s"] =
-      benchmark::Counter(2.0 * bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate); // read + written
 }
 
 const bool registered = [] {

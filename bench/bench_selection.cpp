@@ -215,20 +215,6 @@ void chain_stage(benchmark::State& state, const shape& s) {
   state.counters["k"] = double(c.m.in.k);
 }
 
-// Two 2 GiB buffers, the source random.
-struct copy_inputs {
-  std::size_t bytes = std::size_t(2) << 30;
-  buffer a = random_elements(bytes / 2, dtype::bf16, 9), b{bytes};
-};
-
-void copy_bandwidth(benchmark::State& state) {
-  const copy_inputs& c = kept<copy_inputs>("copy");
-  const std::size_t bytes = c.bytes;
-  const buffer &a = c.a, &b = c.b;
-  time_on_stream(state, nullptr, [&] { check(copy_device(b.get(), a.get(), bytes, nullptr), "copy"); });
-  set_rate(state, 2.0 * bytes); // read + written
-}
-
 template <class F, class... Args> void add(const std::string& name, F f, Args... args) {
   benchmark::RegisterBenchmark(name.c_str(), f, args...)->UseManualTime()->Unit(benchmark::kMicrosecond);
 }

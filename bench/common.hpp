@@ -17,7 +17,6 @@
 #include <memory>
 #include <random>
 #include <string>
-#include <tuple>
 #include <vector>
 
 namespace vsa {
@@ -202,7 +201,9 @@ template <class F> void time_on_stream(benchmark::State& state, gpu::stream_t st
   event_t start, stop;
   check(event_create(&start), "event");
   check(event_create(&stop), "event");
-  for (int i = 0; i < 3; ++i) f();
+  // One call to warm up (code, caches, the clock); the pilot pass below is three more before anything is timed. Google
+  // Benchmark runs this whole function for each repetition, so that a 30 ms call's warm-up was most of its run.
+  f();
   check(device_sync(), "warm-up");
   // One pass: `calls` calls behind a hold of `hold` cycles; the GPU's milliseconds, and the host's microseconds to
   // launch them.
@@ -239,6 +240,18 @@ template <class F> void time_on_stream(benchmark::State& state, gpu::stream_t st
     state.SetIterationTime(pass(calls, hold, host_us) * 1e-3);
   }
   state.counters["batch"] = batch;
+}
+
+// The card's device-to-device copy of 2 GiB (read + written), the bandwidth the memory-bound stages are set against:
+// every benchmark binary times it in its own run.
+struct copy_inputs {
+  std::size_t bytes = std::size_t(2) << 30;
+  buffer a = random_elements(static_cast<int64_t>(bytes / 2), dtype::bf16, 9), b{bytes};
+};
+inline void copy_bandwidth(benchmark::State& state) {
+  const copy_inputs& c = kept<copy_inputs>("copy");
+  time_on_stream(state, nullptr, [&] { check(copy_device(c.b.get(), c.a.get(), c.bytes, nullptr), "copy"); });
+  state.counters["GB/s"] = benchmark::Counter(2.0 * c.bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
 
 // Times f on the host: each iteration the mean of `calls` back-to-back calls, queued behind a hold so that none

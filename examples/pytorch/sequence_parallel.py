@@ -36,11 +36,17 @@ def main(rank, world, init, device, dtype):
     whole = [x.requires_grad_(True) for x in (q, k, v, g)]
     want = vsa_torch.video_sparse_attention(*whole[:3], GRID, gate=whole[3], sparsity=0.75)
     want.backward(d_o)
-    errs = {name: float((a - sp.shard(b, GRID)).abs().max())
+    # Relative to each tensor's largest element: the exchanges move values unchanged, so what differs is the kv
+    # sums' order (repeated kv heads) and, in bf16, the kernels' rounding of a different head order.
+    errs = {name: float((a - sp.shard(b, GRID)).abs().max() / sp.shard(b, GRID).abs().max())
             for name, a, b in [("o", o, want)] + [(f"d{n}", x.grad, w.grad) for n, x, w in zip("qkvg", mine, whole)]}
-    print(f"rank {rank}/{world}: frames {sp.frame_split(GRID[0], world)[rank]}, max |difference| from one process: "
-          + ", ".join(f"{n} {e:.2g}" for n, e in errs.items()), flush=True)
+    print(f"rank {rank}/{world}: frames {sp.frame_split(GRID[0], world)[rank]}, max |difference| from one process "
+          "(relative): " + ", ".join(f"{n} {e:.2g}" for n, e in errs.items()), flush=True)
     dist.destroy_process_group()
+    tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    bad = [n for n, e in errs.items() if not e <= tolerance]  # NaN fails too
+    if bad:
+        raise RuntimeError(f"rank {rank}: {', '.join(bad)} differ from one process by more than {tolerance}")
 
 
 if __name__ == "__main__":

@@ -139,11 +139,8 @@ inline status block_means(const problem& p, const_tensor q, const_tensor k, cons
   const unsigned blocks = gd::grid_blocks(p.batch * geo.num_tiles() * (p.q_heads + 2 * p.kv_heads));
   return gd::dispatch_element(p.type, [&](auto element) {
     using E = decltype(element);
-    if (p.head_dim == 64)
-      gd::block_means_kernel<E, 64><<<blocks, gd::tile_row_threads, 0, stream>>>(mp);
-    else
-      gd::block_means_kernel<E, 128><<<blocks, gd::tile_row_threads, 0, stream>>>(mp);
-    return gpu::launch_status("block_means");
+    const auto kernel = p.head_dim == 64 ? gd::block_means_kernel<E, 64> : gd::block_means_kernel<E, 128>;
+    return gpu::launch("block_means", kernel, blocks, gd::tile_row_threads, 0, stream, false, mp);
   });
 }
 

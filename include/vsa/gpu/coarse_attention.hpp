@@ -40,8 +40,8 @@ inline status coarse_scores(const problem& p, float scale, const float* q_c, con
   const auto run = [&](auto kernel) {
     status st = gd::prepare(kernel, smem);
     if (!st) return st;
-    kernel<<<grid, 4 * gpu::warp_mma<gpu::bf16_type, 64>::threads, smem, stream>>>(cp);
-    return gpu::launch_status("coarse scores");
+    return gpu::launch("coarse scores", kernel, grid, 4 * gpu::warp_mma<gpu::bf16_type, 64>::threads, smem, stream,
+                       false, cp);
   };
   return p.head_dim == 64 ? run(gd::coarse_scores_kernel<64>) : run(gd::coarse_scores_kernel<128>);
 }

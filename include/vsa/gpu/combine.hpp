@@ -192,8 +192,7 @@ inline status combine(const problem& p, const_tensor o_s, const_tensor gate, con
   const unsigned blocks = gd::grid_blocks(p.batch * geo.num_tiles() * (tile_tokens / gd::combine_slots));
   return gd::dispatch_element(p.type, [&](auto element) {
     using E = decltype(element);
-    gd::combine_kernel<E><<<blocks, gd::combine_threads, 0, stream>>>(cp);
-    return gpu::launch_status("combine");
+    return gpu::launch("combine", gd::combine_kernel<E>, blocks, gd::combine_threads, 0, stream, false, cp);
   });
 }
 
@@ -224,11 +223,8 @@ inline status combine_backward(const problem& p, const_tensor d_o, const_tensor 
   const unsigned blocks = gd::grid_blocks(p.batch * geo.num_tiles() * p.q_heads);
   return gd::dispatch_element(p.type, [&](auto element) {
     using E = decltype(element);
-    if (p.head_dim == 64)
-      gd::combine_backward_kernel<E, 64><<<blocks, gd::tile_row_threads, 0, stream>>>(bp);
-    else
-      gd::combine_backward_kernel<E, 128><<<blocks, gd::tile_row_threads, 0, stream>>>(bp);
-    return gpu::launch_status("combine_backward");
+    const auto kernel = p.head_dim == 64 ? gd::combine_backward_kernel<E, 64> : gd::combine_backward_kernel<E, 128>;
+    return gpu::launch("combine_backward", kernel, blocks, gd::tile_row_threads, 0, stream, false, bp);
   });
 }
 

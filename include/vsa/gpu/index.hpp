@@ -361,16 +361,18 @@ inline status build_k2q(const problem& p, index_lists idx, void* workspace, std:
                                   "setting build_k2q's shared-memory size")))
       return s;
     const int64_t ranges = (n + gd::k2q_small_columns - 1) / gd::k2q_small_columns;
-    gd::k2q_small_kernel<><<<gd::grid_blocks(layout.heads * ranges), gd::k2q_small_threads, smem, stream>>>(kp);
-    return gpu::launch_status("build_k2q");
+    return gpu::launch("build_k2q", gd::k2q_small_kernel<>, gd::grid_blocks(layout.heads * ranges),
+                       gd::k2q_small_threads, smem, stream, false, kp);
   }
   const int64_t ranges = (layout.columns + gd::k2q_mark_columns - 1) / gd::k2q_mark_columns;
-  gd::k2q_mark_kernel<><<<gd::grid_blocks(layout.heads * layout.chunks * ranges), gd::k2q_threads, 0, stream>>>(kp);
-  if (!(s = gpu::launch_status("build_k2q (mark)"))) return s;
-  gd::k2q_count_kernel<><<<gd::grid_blocks(layout.heads * layout.count_blocks), gd::k2q_threads, 0, stream>>>(kp);
-  if (!(s = gpu::launch_status("build_k2q (count)"))) return s;
-  gd::k2q_fill_kernel<><<<gd::grid_blocks(layout.heads * layout.chunks), gd::k2q_threads, 0, stream>>>(kp);
-  return gpu::launch_status("build_k2q (fill)");
+  if (!(s = gpu::launch("build_k2q (mark)", gd::k2q_mark_kernel<>,
+                        gd::grid_blocks(layout.heads * layout.chunks * ranges), gd::k2q_threads, 0, stream, false, kp)))
+    return s;
+  if (!(s = gpu::launch("build_k2q (count)", gd::k2q_count_kernel<>,
+                        gd::grid_blocks(layout.heads * layout.count_blocks), gd::k2q_threads, 0, stream, false, kp)))
+    return s;
+  return gpu::launch("build_k2q (fill)", gd::k2q_fill_kernel<>, gd::grid_blocks(layout.heads * layout.chunks),
+                     gd::k2q_threads, 0, stream, false, kp);
 }
 
 } // namespace vsa

@@ -92,8 +92,8 @@ status launch_layout(const problem& p, int64_t heads, const const_tensor& src, c
   lp.heads = static_cast<unsigned>(heads);
   lp.vec_shift = p.head_dim == 64 ? 3 : 4;
   const int64_t items = p.batch * geo.num_tiles() * (tile_tokens / layout_slots);
-  layout_kernel<ToTiled><<<grid_blocks(items), layout_threads, 0, stream>>>(lp);
-  return launch_status(ToTiled ? "tile" : "untile");
+  return launch(ToTiled ? "tile" : "untile", layout_kernel<ToTiled>, grid_blocks(items), layout_threads, 0, stream,
+                false, lp);
 }
 
 } // namespace detail

@@ -309,9 +309,11 @@ template <int Items> __global__ void __launch_bounds__(top_k_threads) top_k_warp
 
 // A row of top_k_warp_max_n tiles needs Items - 4 < top_k_warp_max_n / warp_size: wider kernels are never
 // launched, and are not compiled (on AMD's 64-lane wavefronts, Items above 16).
-template <int Items> void launch_top_k_warp(const top_k_params& p, unsigned blocks, stream_t stream) {
+template <int Items> status launch_top_k_warp(const top_k_params& p, unsigned blocks, stream_t stream) {
   if constexpr ((Items - 4) * warp_size < top_k_warp_max_n)
-    top_k_warp_kernel<Items><<<blocks, top_k_threads, 0, stream>>>(p);
+    return launch("select_top_k", top_k_warp_kernel<Items>, blocks, top_k_threads, 0, stream, false, p);
+  else
+    return status::error(errc::unsupported, "select_top_k: no kernel of %d items a lane is compiled", Items);
 }
 
 // No scratch is used. The size reported is not zero, so that a caller following the query-then-run
@@ -362,34 +364,25 @@ inline status select_top_k(const problem& p, int64_t top_k, const float* scores,
     // Items in steps of 4 (whole 16-byte loads): up to 1024 / 32 on NVIDIA, 1024 / 64 on AMD.
     switch ((items + 3) / 4) {
     case 1:
-      gd::launch_top_k_warp<4>(tp, blocks, stream);
-      break;
+      return gd::launch_top_k_warp<4>(tp, blocks, stream);
     case 2:
-      gd::launch_top_k_warp<8>(tp, blocks, stream);
-      break;
+      return gd::launch_top_k_warp<8>(tp, blocks, stream);
     case 3:
-      gd::launch_top_k_warp<12>(tp, blocks, stream);
-      break;
+      return gd::launch_top_k_warp<12>(tp, blocks, stream);
     case 4:
-      gd::launch_top_k_warp<16>(tp, blocks, stream);
-      break;
+      return gd::launch_top_k_warp<16>(tp, blocks, stream);
     case 5:
-      gd::launch_top_k_warp<20>(tp, blocks, stream);
-      break;
+      return gd::launch_top_k_warp<20>(tp, blocks, stream);
     case 6:
-      gd::launch_top_k_warp<24>(tp, blocks, stream);
-      break;
+      return gd::launch_top_k_warp<24>(tp, blocks, stream);
     case 7:
-      gd::launch_top_k_warp<28>(tp, blocks, stream);
-      break;
+      return gd::launch_top_k_warp<28>(tp, blocks, stream);
     default:
-      gd::launch_top_k_warp<32>(tp, blocks, stream);
-      break;
+      return gd::launch_top_k_warp<32>(tp, blocks, stream);
     }
-    return gpu::launch_status("select_top_k");
   }
-  gd::top_k_kernel<32><<<gd::grid_blocks(tp.rows), gd::top_k_threads, 0, stream>>>(tp);
-  return gpu::launch_status("select_top_k");
+  return gpu::launch("select_top_k", gd::top_k_kernel<32>, gd::grid_blocks(tp.rows), gd::top_k_threads, 0, stream,
+                     false, tp);
 }
 
 } // namespace vsa

@@ -157,9 +157,9 @@ class _ToSequence(torch.autograd.Function):
         return (None, None, None, None, *_to_heads(dxs, tokens, rank, group))
 
 
-def _check(q, xs, names, world, tokens, rank):
+def _check(q, xs, names, world, tokens, rank, heads=True):
     for x, name in zip(xs, names):  # [B, S, H, D] views (to_bshd checked they are 4-d)
-        if x.shape[2] % world:
+        if heads and x.shape[2] % world:
             raise ValueError(f"vsa.sequence_parallel: {name}: {x.shape[2]} heads, not divisible by the world size "
                              f"{world} (each rank computes an equal share of the heads)")
         if x.shape[1] != tokens[rank]:
@@ -207,10 +207,11 @@ def video_sparse_attention(q, k, v, grid, *, gate=None, group=None, frames=None,
     if hkv == 0 or hq % hkv or xs[2].shape[2] != hkv:
         raise ValueError(f"vsa.sequence_parallel: k and v: shapes {tuple(k.shape)} and {tuple(v.shape)} must have "
                          f"the same number of heads, dividing q's {hq}")
+    # k and v as the caller passed them; their heads need not divide the world size: hkv · repeat = lcm(hkv, P) does.
+    _check(xs[0], xs[1:3], ["k", "v"], world, tokens, rank, heads=False)
     repeat = world // math.gcd(hkv, world)
     if repeat > 1:  # kv heads not divisible by the world size: see the module's docstring
         xs[1], xs[2] = xs[1].repeat_interleave(repeat, dim=2), xs[2].repeat_interleave(repeat, dim=2)
-    _check(xs[0], xs[1:3], ["k", "v"], world, tokens, rank)
     parts = _ToHeads.apply(tokens, rank, group, *xs)
     o = _video_sparse_attention(*parts[:3], grid, gate=parts[3] if gate is not None else None, top_k=top_k,
                                 sparsity=sparsity, scale=scale, keep_tiled=keep_tiled)

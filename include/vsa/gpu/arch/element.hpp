@@ -2,7 +2,7 @@
 // the matrix instruction variant and the rounding of fp32 results back to storage.
 #pragma once
 
-#include "../runtime.hpp"
+#include "warp.hpp"
 
 #if VSA_PLATFORM_NVIDIA
 #include <cuda_bf16.h>

@@ -12,8 +12,8 @@
 // copy_tile.
 #pragma once
 
-#include "../runtime.hpp"
 #include "smem_tile.hpp"
+#include "warp.hpp"
 
 #if VSA_RUNTIME_CUDA
 #include <cuda.h>

@@ -33,8 +33,7 @@
 #include "amd_mfma.hpp"
 #else
 #include "nvidia_mma.hpp"
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define VSA_WGMMA 1
+#if VSA_WGMMA
 #include "hopper_wgmma.hpp"
 #endif
 #endif

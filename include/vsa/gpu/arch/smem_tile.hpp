@@ -12,7 +12,7 @@
 // smem_layout.hpp, which host code (the CPU model of wgmma's shared-memory reads) runs as well.
 #pragma once
 
-#include "../runtime.hpp"
+#include "../platform.hpp"
 #include "smem_layout.hpp"
 
 namespace vsa {
@@ -92,14 +92,6 @@ inline constexpr int backward_min_blocks([[maybe_unused]] int asked) {
   return asked;
 #endif
 }
-
-// Whether the device code being compiled is Hopper's or later (sm_90+): the forward then runs its one-stage
-// pipeline. The host learns the same of a kernel from the binary version of the code it runs as.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-inline constexpr bool hopper_code = true;
-#else
-inline constexpr bool hopper_code = false;
-#endif
 
 // How the attention kernels use that budget for head dim D: two copy stages (the next tile streams in while
 // the current one is used) where they fit, one otherwise; the dk/dv kernel's per-row statistics in shared

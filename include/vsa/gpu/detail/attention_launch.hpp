@@ -62,15 +62,13 @@ status launch_forward(const forward_params& fp, const Sched& s, int64_t batch, i
         encode_tile_map(f.v_map, fp.v.data, batch, tokens, kv_heads, D, fp.v.batch, fp.v.token, fp.v.head))
       f.tma = 1;
   }
-  kernel<<<grid, 4 * M::threads, smem, stream>>>(f, s);
-  return launch_status("attention forward");
+  return launch("attention forward", kernel, grid, 4 * M::threads, smem, stream, false, f, s);
 }
 
 template <class E, int D, class Sched>
 status launch_delta(const delta_params& dp, const Sched& s, int64_t batch, stream_t stream) {
   const dim3 grid(static_cast<unsigned>(s.tiles), static_cast<unsigned>(dp.q_heads), static_cast<unsigned>(batch));
-  attention_delta_kernel<E, D, Sched><<<grid, 256, 0, stream>>>(dp, s);
-  return launch_status("attention delta");
+  return launch("attention delta", attention_delta_kernel<E, D, Sched>, grid, 256, 0, stream, false, dp, s);
 }
 
 // Fills op.order (and uses op.counts, 2·order_buckets ints a kv head) with the longest-first order of the
@@ -80,11 +78,9 @@ inline status launch_order(const order_params& op, stream_t stream) {
   status st = runtime_status(memset_async(op.counts, 0, heads * 2 * order_buckets * sizeof(int32_t), stream), "order");
   if (!st) return st;
   const unsigned blocks = static_cast<unsigned>((op.items + 255) / 256);
-  order_count_kernel<><<<blocks, 256, 0, stream>>>(op);
-  st = launch_status("attention backward (order)");
+  st = launch("attention backward (order)", order_count_kernel<>, blocks, 256, 0, stream, false, op);
   if (!st) return st;
-  order_place_kernel<><<<blocks, 256, 0, stream>>>(op);
-  return launch_status("attention backward (order)");
+  return launch("attention backward (order)", order_place_kernel<>, blocks, 256, 0, stream, false, op);
 }
 
 template <class E, int D, class Sched> status launch_backward(const backward_params& bp, const Sched& q_sched,
@@ -133,21 +129,19 @@ template <class E, int D, class Sched> status launch_backward(const backward_par
   if (!st) return st;
   const dim3 qgrid(static_cast<unsigned>(q_sched.tiles), static_cast<unsigned>(bp.q_heads),
                    static_cast<unsigned>(batch));
-  dq<<<qgrid, 4 * M::threads, smem, stream>>>(b, q_sched);
-  st = launch_status("attention backward (dq)");
+  st = launch("attention backward (dq)", dq, qgrid, 4 * M::threads, smem, stream, false, b, q_sched);
   if (!st) return st;
   if constexpr (has_split) {
     if (split) {
-      hopper::hopper_dkdv_kernel<E, D><<<static_cast<unsigned>(k_sched.tiles * bp.kv_heads * batch),
-                                         hopper::block_threads, hopper::dkdv_plan<D>::bytes, stream>>>(b, k_sched);
-      return launch_status("attention backward (dk, dv)");
+      return launch("attention backward (dk, dv)", hopper::hopper_dkdv_kernel<E, D>,
+                    static_cast<unsigned>(k_sched.tiles * bp.kv_heads * batch), hopper::block_threads,
+                    hopper::dkdv_plan<D>::bytes, stream, false, b, k_sched);
     }
   }
   const dim3 kgrid = bp.order != nullptr ? dim3(static_cast<unsigned>(k_sched.tiles * bp.kv_heads * batch))
                                          : dim3(static_cast<unsigned>(k_sched.tiles),
                                                 static_cast<unsigned>(bp.kv_heads), static_cast<unsigned>(batch));
-  dkdv<<<kgrid, 4 * M::threads, dkdv_smem, stream>>>(b, k_sched);
-  return launch_status("attention backward (dk, dv)");
+  return launch("attention backward (dk, dv)", dkdv, kgrid, 4 * M::threads, dkdv_smem, stream, false, b, k_sched);
 }
 
 } // namespace detail

@@ -40,8 +40,8 @@ namespace hopper {
 // The kernel's tuning: the ring of Q/dO stages, and the registers a thread setmaxnreg leaves the producer warpgroup
 // and gives each consumer (their sum over the block within the 168 a thread that the launch bounds grant 384
 // threads). Stages measured on the H200 (dk/dv alone, wan2.1; bench/NOTES.md): before the products overlapped (v17)
-// 3 stages 4.48 ms, 4 stages 4.09-4.11, 5 stages 4.34-4.40; with the overlap (v19) 3 stages 4.08-4.31, 4 stages
-// 3.69-4.17, 5 stages 3.87-3.92, the same run. A type, so that a probe can time others.
+// 3 stages 4.48 ms, 4 stages 4.09-4.11, 5 stages 4.34-4.40; with the overlap (v19, two runs) 3 stages 4.02-4.31,
+// 4 stages 3.68-4.03, 5 stages 3.78-3.92. A type, so that a probe can time others.
 struct dkdv_tuning {
   static constexpr int stages = 4, producer_regs = 40, consumer_regs = 232;
 };

@@ -34,14 +34,6 @@ constexpr int copy_stages = 2;
 constexpr int copy_stages = 1;
 #endif
 
-// Whether the layer reads the transposed operand of a φᵀ·V product straight out of shared memory (tn, the
-// wgmma backend). Otherwise each warp gathers its 16-row band of φᵀ element by element into a score tile.
-#if VSA_WGMMA
-constexpr bool layer_tn = true;
-#else
-constexpr bool layer_tn = false;
-#endif
-
 // Where a block's shared tiles start: on the wgmma backend on a 1024-byte boundary (descriptor reads, see
 // smem_tile.hpp), for which Hopper blocks are given smem_slack more bytes (tile_slack, host and device
 // agree through the kernel's binary version); elsewhere at the start, with no slack. A macro, so that the
