@@ -14,6 +14,8 @@
 //                                      columns of p (a narrow step over a partial tile, attention_schedule.hpp)
 //   nt_pair, nn_pair (free functions)  two independent nt or nn whose results are read after both: one
 //                                      wait for the pair where the backend can keep both in flight
+//   nt_fresh (free function)           s = a · bᵀ written anew (no zeros first where the backend writes its
+//                                      products in place: nt_into)
 //   tn(o, a, panel, b)                 wgmma backend only: o += aᵀ · b over the 64 rows of two shared tiles,
 //                                      aᵀ the 64 columns of one panel of a, read transposed
 //   tn_sums(o, sa, sb, a, panel, b, ones)
@@ -77,6 +79,30 @@ __device__ __forceinline__ void nn_pair(typename M::out_tile& o1, const typename
   } else {
     M::nn(o1, p1, c1);
     M::nn(o2, p2, c2);
+  }
+}
+
+// s = a · bᵀ over the first W rows of b (as nt<W>), formed anew rather than added to s; a is the band's rows: af
+// where the backend keeps them in registers (rows_in_registers), else rows row0.. of shared tile ta. A backend
+// that writes a product in place says so by having nt_into (the wgmma backend, whose first k step does not
+// accumulate): s then needs no zeros. The others zero s and add.
+template <class M, class = void> struct writes_products : std::false_type {};
+template <class M> struct writes_products<M, std::void_t<decltype(&M::template nt_into<tile_rows>)>> : std::true_type {
+};
+
+template <class M, int W = tile_rows, int D> __device__ __forceinline__ void
+nt_fresh(typename M::score_tile& s, const typename M::row_frag& af, smem_tile<D> ta, int row0, smem_tile<D> b) {
+  if constexpr (writes_products<M>::value) {
+    M::template nt_into<W>(s, ta, b);
+    M::template wait_first<0, W>(s);
+  } else {
+#pragma unroll
+    for (int e = 0; e < (W * M::score_elems) / tile_rows; ++e) s.x[e] = 0.f;
+    if constexpr (M::rows_in_registers) {
+      M::template nt<W>(s, af, b);
+    } else {
+      M::template nt<W>(s, ta, row0, b);
+    }
   }
 }
 

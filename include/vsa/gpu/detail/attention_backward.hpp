@@ -11,6 +11,7 @@
 
 #include "../arch/matrix.hpp"
 #include "attention_schedule.hpp"
+#include "hopper/feeds.hpp"
 
 #include <type_traits>
 
@@ -38,7 +39,7 @@ struct backward_params {
   float scale;
   float scale_log2;
   // Hopper's sparse pass: the tiles each step loads (K and V for dq, Q and dO for dk/dv) through the copy
-  // engine when the host could encode their maps (tma = 1; hopper_tma.hpp); otherwise copy_tile.
+  // engine when the host could encode their maps (tma = 1; hopper/feeds.hpp); otherwise copy_tile.
   int tma;
   tma_map k_map, v_map, q_map, do_map;
 };
@@ -105,24 +106,19 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), backward_min_bl
 
   int64_t begin, end;
   s.range(bh, i, begin, end);
-#if VSA_WGMMA
   // As in the forward, K and V through the copy engine on a barrier each where the host encoded their maps
-  // (hopper_tma.hpp). dO·Vᵀ goes first, so that the next V is in flight during Q·Kᵀ and dS·K, and the next
+  // (hopper/feeds.hpp). dO·Vᵀ goes first, so that the next V is in flight during Q·Kᵀ and dS·K, and the next
   // K during the next dO·Vᵀ.
-  __shared__ __align__(8) uint64_t ready[2];
-  const bool tma = stages == 1 && p.tma != 0;
-  tma::kv_copies copies(ready, tma, tid);
-#else
-  constexpr bool tma = false;
-#endif
+  using feed_type = kv_feed<D, 2, backward_params, stages == 1>;
+  __shared__ __align__(8) typename feed_type::barriers ready;
+  feed_type feed(ready, p.tma != 0, tid, p, hk, b);
+  auto kc = feed.k_stage0(), vc = feed.v_stage0(); // the waits on K and V, each keeping its barrier's phase
   const auto load_kv = [&](int64_t pos, int buf) {
     const int64_t j = s.at(pos);
-#if VSA_WGMMA
-    if (tma) {
-      if (tid == 0) copies.load<D>(sk(0), &p.k_map, sv(0), &p.v_map, j * 64, hk, b);
+    if (feed.on()) {
+      if (tid == 0) feed.load(sk(0), sv(0), j);
       return;
     }
-#endif
     const int kv = s.valid(j);
     copy_tile(sk(buf), p.k.tile(b, hk, j), p.k.token, kv, tid, nthreads);
     copy_tile(sv(buf), p.v.tile(b, hk, j), p.v.token, kv, tid, nthreads);
@@ -166,33 +162,24 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), backward_min_bl
       // as dPᵀ has read it, before K is waited for (at D = 64 the pair's order measured 3% slower,
       // bench/NOTES.md v15). The dense pass reads its scores instead of forming S.
       constexpr bool paired = one_group_pairs<M>::value && products_s;
-      // Both tiles' padding rows among the W the products read are zeroed on the copy-engine path: at a padded
-      // column the probability is zero, and zero times a NaN from dO·Vᵀ, or dS times a NaN of K, would still be
-      // NaN.
-      const auto wait_tile = [&](bool key) {
-#if VSA_WGMMA
-        if (tma) (key ? copies.k : copies.v).template wait<D>(key ? sk(0) : sv(0), kv, tid, nthreads, W);
-#else
-        (void)key;
-#endif
-      };
+      // Both tiles' padding rows among the W the products read are zeroed on the copy-engine path (kc's and
+      // vc's waits): at a padded column the probability is zero, and zero times a NaN from dO·Vᵀ, or dS times a NaN
+      // of K, would still be NaN.
       const auto refill_v = [&] {
-#if VSA_WGMMA
-        if (tma) {
+        if (feed.on()) {
           __syncthreads(); // every warp's dO·Vᵀ has read V
-          if (tid == 0 && pos + 1 < end) copies.v.load<D>(sv(0), &p.v_map, s.at(pos + 1) * 64, hk, b);
+          if (tid == 0 && pos + 1 < end) feed.load_v(sv(0), s.at(pos + 1));
         }
-#endif
       };
-      wait_tile(false);
+      if (feed.on()) vc.wait(sv(0), kv, tid, nthreads, W);
       if constexpr (paired) {
-        wait_tile(true);
+        if (feed.on()) kc.wait(sk(0), kv, tid, nthreads, W);
         nt_pair<M, W>(dp, sdo, sv(buf), st, sq, sk(buf), row0);
         refill_v();
       } else {
         M::template nt<W>(dp, sdo, row0, sv(buf));
         refill_v();
-        wait_tile(true);
+        if (feed.on()) kc.wait(sk(0), kv, tid, nthreads, W);
         if constexpr (products_s) {
           M::template nt<W>(st, sq, row0, sk(buf));
         } else {
@@ -217,11 +204,9 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), backward_min_bl
       M::template nn<W>(dq, st, sk(buf));
     });
 
-    if (tma) {
-#if VSA_WGMMA
+    if (feed.on()) {
       __syncthreads(); // every warp's dS·K has read K
-      if (tid == 0 && pos + 1 < end) copies.k.load<D>(sk(0), &p.k_map, s.at(pos + 1) * 64, hk, b);
-#endif
+      if (tid == 0 && pos + 1 < end) feed.load_k(sk(0), s.at(pos + 1));
       continue;
     }
     if (stages == 1) {
@@ -276,15 +261,13 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), backward_min_bl
   const auto locate = [&](int g, int64_t& begin, int64_t& end) {
     s.range(b * p.q_heads + hk * p.group + g, j, begin, end);
   };
-#if VSA_WGMMA
-  // Q and dO through the copy engine where the host encoded their maps (hopper_tma.hpp), a barrier a stage;
+  // Q and dO through the copy engine where the host encoded their maps (hopper/feeds.hpp), a barrier a stage;
   // the row statistics keep their plain loads. Not at D = 64: there the path costs registers (165 → 174) and
   // with them the third block an SM, and capped at three blocks it measured slower on the H200
   // (bench/NOTES.md, v8).
-  __shared__ __align__(8) uint64_t q_ready[stages];
-  const bool tma = D == 128 && p.tma != 0;
-  tma::init_barriers(q_ready, stages, tma, tid);
-#endif
+  using feed_type = qdo_feed<D, stages, backward_params, D == 128>;
+  __shared__ __align__(8) typename feed_type::barriers q_ready;
+  feed_type feed(q_ready, p.tma != 0, tid, p);
   // A pair's row statistics (threads < 64, one row each) are read into registers when its tiles are asked for
   // and stored to its stage only at the barrier before it is used, so that the loads run under the step's
   // products instead of holding the warpgroup's first product back by an L2 round trip.
@@ -294,12 +277,9 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), backward_min_bl
   const auto load_q = [&](int g, int64_t pos, int buf, row_stats& r) {
     const int64_t h = hk * p.group + g, i = s.at(pos), bh = b * p.q_heads + h;
     const int qv = s.valid(i);
-#if VSA_WGMMA
-    if (tma) {
-      if (tid == 0) tma::tile_pair{&q_ready[buf], 0u}.load<D>(sq(buf), &p.q_map, sdo(buf), &p.do_map, i * 64, h, b);
-    } else
-#endif
-    {
+    if (feed.on()) {
+      if (tid == 0) feed.load(buf, sq(buf), sdo(buf), i, h, b);
+    } else {
       copy_tile(sq(buf), p.q.tile(b, h, i), p.q.token, qv, tid, nthreads);
       copy_tile(sdo(buf), p.d_o.tile(b, h, i), p.d_o.token, qv, tid, nthreads);
     }
@@ -317,13 +297,7 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), backward_min_bl
   };
   // Waits for the pair in stage buf; `uses` counts the earlier waits on that stage (its barrier's phase).
   const auto wait_q = [&](int64_t pos, int buf, int64_t uses) {
-#if VSA_WGMMA
-    if (tma)
-      tma::tile_pair{&q_ready[buf], static_cast<uint32_t>(uses & 1)}.wait<D>(sq(buf), sdo(buf), s.valid(s.at(pos)), tid,
-                                                                             nthreads);
-#else
-    (void)pos, (void)buf, (void)uses;
-#endif
+    if (feed.on()) feed.wait(buf, uses, sq(buf), sdo(buf), s.valid(s.at(pos)), tid, nthreads);
   };
 
   typename M::out_tile dk, dv;

@@ -5,6 +5,8 @@
 
 #include "../arch/matrix.hpp"
 #include "attention_schedule.hpp"
+#include "hopper/feeds.hpp"
+#include "hopper/forward_overlap.hpp"
 
 #include <cmath>
 
@@ -28,7 +30,7 @@ struct forward_params {
   int64_t group; // q_heads / kv_heads
   float scale;
   float scale_log2; // scale · log2(e)
-  // Hopper's sparse pass: K and V tiles through the copy engine (hopper_tma.hpp) when the host could encode
+  // Hopper's sparse pass: K and V tiles through the copy engine (hopper/feeds.hpp) when the host could encode
   // their maps (tma = 1); otherwise, and everywhere else, copy_tile.
   int tma;
   tma_map k_map, v_map;
@@ -78,20 +80,13 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
   const int64_t steps = end - begin;
   // Hopper at head dim 64: the products of a step overlap the softmax of the next (smem_plan::forward_overlap).
   constexpr bool overlap = smem_plan<D>::forward_overlap(hopper_code, Sched::few_blocks);
-#if VSA_WGMMA
   // Hopper's sparse pass takes its K and V tiles through the copy engine where the host encoded their maps
-  // (hopper_tma.hpp: thread 0 asks, an mbarrier per tile and stage counts the bytes, every thread waits). Each
-  // tile's next copy is asked for as soon as the products reading its stage are done. With one stage the next
-  // K is in flight during the softmax and P·V, the next V during the next Q·Kᵀ; the overlapped loop has two.
-  __shared__ __align__(8) uint64_t ready[2 * stages]; // K, then V, of each stage
-  const bool tma = !Sched::few_blocks && p.tma != 0 && (stages == 1 || overlap);
-  tma::init_barriers(ready, 2 * stages, tma, tid);
-  const auto fetch = [&](smem_tile<D> t, const tma_map* map, uint64_t* bar, int64_t tile) {
-    tma::load_tile<D>(t, map, bar, tile * 64, hk, b);
-  };
-#else
-  constexpr bool tma = false;
-#endif
+  // (hopper/feeds.hpp; elsewhere the feed does nothing). Each tile's next copy is asked for as soon as the
+  // products reading its stage are done. With one stage the next K is in flight during the softmax and P·V, the
+  // next V during the next Q·Kᵀ; the overlapped loop has two.
+  using feed_type = kv_feed<D, 2 * stages, forward_params, !Sched::few_blocks && (stages == 1 || overlap)>;
+  __shared__ __align__(8) typename feed_type::barriers ready; // K, then V, of each stage
+  feed_type feed(ready, p.tma != 0, tid, p, hk, b);
   const auto count = s.valid_counter();
   // The dense pass reads its scores: it copies neither Q nor K.
   constexpr bool products_s = !Sched::few_blocks;
@@ -106,19 +101,14 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
   int kv = count.valid(j);
   if (products_s) copy_tile(sq, p.q.tile(b, h, i), p.q.token, q_valid, tid, nthreads);
   if (steps > 0) {
-#if VSA_WGMMA
-    if (tma) {
+    if (feed.on()) {
       if (tid == 0) {
-        fetch(sk(0), &p.k_map, &ready[0], j);
-        fetch(sv(0), &p.v_map, &ready[1], j);
-        if (overlap && steps > 1) {
-          fetch(sk(1), &p.k_map, &ready[2], j_next);
-          fetch(sv(1), &p.v_map, &ready[3], j_next);
-        }
+        feed.load(sk(0), sv(0), j);
+        if (overlap && steps > 1) feed.load(sk(1), sv(1), j_next, 1);
       }
-    } else
-#endif
+    } else {
       load_kv(j, 0);
+    }
   }
   copy_commit();
   if constexpr (matrix_sums) { // written once; the fence and the barrier below order them before the first product
@@ -209,81 +199,19 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
     }
   };
 
-#if VSA_WGMMA
-  if constexpr (overlap) {
-    if (tma && steps > 0) {
-      // Step n issues S_n = Q·K_nᵀ, then O += P_{n-1}·V_{n-1}, as two wgmma groups, and waits for the first
-      // only: the softmax of S_n runs while the tensor cores do P_{n-1}·V_{n-1}; then it waits for the second
-      // and rescales O by step n's alpha (O was in step n-1's frame, P_n is in step n's). K_n and V_{n-1} sit
-      // in opposite stages (stage = step parity), each on its own barrier, whose phase parity is (step / 2)
-      // mod 2 for the step that uses it. One block barrier a step: after it every warp is done with K_n and
-      // V_{n-1}, and thread 0 refills their stages with K_{n+2} and V_{n+1}, each a step or more ahead of use.
-      typename M::prob_frag pf; // P_{n-1}: the A operand of the P·V group in flight
-      float alpha[R];
-      int64_t j2 = steps > 2 ? s.at(begin + 2) : -1;
-      {
-        typename M::score_tile st;
-        tma::wait(&ready[0], 0u);
-        M::nt_into(st, sq, sk(0));
-        M::template wait_groups<0>(st.x);
-        softmax(step_width<tile_rows>{}, st, kv, alpha); // o is still zero: no rescale
-        M::pack(pf, st);
-        __syncthreads(); // every warp's Q·K_0ᵀ has read stage 0's K
-        if (tid == 0 && steps > 2) fetch(sk(0), &p.k_map, &ready[0], j2);
-      }
-      int kv_prev = kv;
-      j = j_next; // j, j_next: the tiles of this step and the next
-      j_next = j2;
-      kv = count.valid(j);
-      for (int64_t step = 1; step < steps; ++step) {
-        const int64_t pos = begin + step;
-        const int buf = static_cast<int>(step & 1), prev = buf ^ 1;
-        const uint32_t phase = static_cast<uint32_t>(step >> 1) & 1u;
-        const uint32_t prev_phase = static_cast<uint32_t>((step - 1) >> 1) & 1u;
-        j2 = pos + 2 < end ? s.at(pos + 2) : -1;
-
-        typename M::score_tile st;
-        tma::wait(&ready[2 * prev + 1], prev_phase);
-        tma::clear_rows<D>(sv(prev), kv_prev, tid, nthreads); // V's padding rows: zero probability times NaN
-        tma::wait(&ready[2 * buf], phase);
-        M::nt_into(st, sq, sk(buf));
-        M::nn_async(o, pf, sv(prev));
-        M::template wait_groups<1>(st.x);
-        softmax(step_width<tile_rows>{}, st, kv, alpha);
-        M::template wait_groups<0>(o.x);
-        // P_n is rounded into P_{n-1}'s registers only now that the P·V group has read them: ptxas keeps the
-        // groups in flight only if no other instruction writes a register a wgmma reads while its group runs.
-        M::pin(pf);
-        M::pack(pf, st);
-        rescale(alpha);
-
-        __syncthreads(); // every warp's products have read K_n and V_{n-1}
-        if (tid == 0) {
-          if (pos + 2 < end) fetch(sk(buf), &p.k_map, &ready[2 * buf], j2);
-          if (pos + 1 < end) fetch(sv(prev), &p.v_map, &ready[2 * prev + 1], j_next);
-        }
-        kv_prev = kv;
-        j = j_next;
-        j_next = j2;
-        kv = count.valid(j);
-      }
-      // The last step's P·V.
-      const int64_t last = steps - 1;
-      tma::wait(&ready[2 * static_cast<int>(last & 1) + 1], static_cast<uint32_t>(last >> 1) & 1u);
-      tma::clear_rows<D>(sv(static_cast<int>(last & 1)), kv_prev, tid, nthreads);
-      M::nn_async(o, pf, sv(static_cast<int>(last & 1)));
-      M::template wait_groups<0>(o.x);
-      M::pin(pf);
+  // Hopper at head dim 64 with its tiles through the copy engine: hopper/forward_overlap.hpp.
+  if constexpr (overlap && feed_type::copy_engine) {
+    if (feed.on() && steps > 0) {
+      typename M::score_tile st; // S_n of the loop's steps
+      hopper::forward_overlapped<M, D>(feed, s, count, begin, end, j, j_next, kv, sq, sk, sv, o, tid, nthreads, softmax,
+                                       rescale, st);
     }
   }
-#endif
 
   // Every other case: one step at a time (the coarse pass, head dim 128 on Hopper, other machines, and head
   // dim 64 on Hopper where the copy engine's maps did not encode).
-  if (!(overlap && tma)) {
-#if VSA_WGMMA
-    tma::tile_one kc{&ready[0], 0u}, vc{&ready[1], 0u};
-#endif
+  if (!(overlap && feed.on())) {
+    auto kc = feed.k_stage0(), vc = feed.v_stage0(); // the waits on K and V, each keeping its barrier's phase
     for (int64_t step = 0; step < steps; ++step) {
       const int64_t pos = begin + step;
       const int buf = stages == 2 ? static_cast<int>(step & 1) : 0;
@@ -294,39 +222,25 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
       // The step at the key tile's width (with_step_width): products, softmax and the clear of V's rows.
       with_step_width<Narrow>(kv, [&](auto width) {
         constexpr int W = decltype(width)::value;
-        [[maybe_unused]] constexpr int n = step_elems<M, W>;
         typename M::score_tile st;
         if constexpr (!products_s) {
           load_scores<M>(st, p.scores + bh * s.rows_total() * s.rows_total(), s, i, j, row0, false);
         } else {
-#if VSA_WGMMA
-          if (tma) kc.wait();
-          M::template nt_into<W>(st, sq, sk(buf));
-          M::template wait_first<0, W>(st);
-          if (tma) {
+          if (feed.on()) kc.wait();
+          nt_fresh<M, W>(st, qf, sq, row0, sk(buf));
+          if (feed.on()) {
             __syncthreads(); // every warp's Q·Kᵀ has read K
-            if (tid == 0 && pos + 1 < end) fetch(sk(0), &p.k_map, &ready[0], j_next);
+            if (tid == 0 && pos + 1 < end) feed.load_k(sk(0), j_next);
           }
-#else
-#pragma unroll
-          for (int e = 0; e < n; ++e) st.x[e] = 0.f;
-          if constexpr (M::rows_in_registers) {
-            M::template nt<W>(st, qf, sk(buf));
-          } else {
-            M::template nt<W>(st, sq, row0, sk(buf));
-          }
-#endif
         }
 
         float alpha[R];
         softmax(width, st, kv, alpha);
         rescale(alpha);
 
-#if VSA_WGMMA
-        // V's padding rows among the W the product reads are zeroed: a zero probability times a NaN there
-        // would still be NaN.
-        if (tma) vc.wait<D>(sv(0), kv, tid, nthreads, W);
-#endif
+        // V's padding rows among the W the product reads are zeroed where it came through the copy engine: a zero
+        // probability times a NaN there would still be NaN.
+        if (feed.on()) vc.wait(sv(0), kv, tid, nthreads, W);
         if constexpr (matrix_sums) {
           M::template nn_sums<W>(o, lsum, st, sv(buf), ones);
         } else {
@@ -337,11 +251,9 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
       j_next = j2;
       kv = count.valid(j);
 
-      if (tma) {
-#if VSA_WGMMA
+      if (feed.on()) {
         __syncthreads(); // every warp's P·V has read V
-        if (tid == 0 && pos + 1 < end) fetch(sv(0), &p.v_map, &ready[1], j);
-#endif
+        if (tid == 0 && pos + 1 < end) feed.load_v(sv(0), j);
         continue;
       }
       if (stages == 1) {
