@@ -3,8 +3,8 @@
 // warp-specialized Hopper kernel (hopper/dkdv.hpp), each launched alone on the library's order and delta; the dq
 // kernel alone (its share of the backward); and the library's whole sparse backward. Checks the Hopper kernel's dk
 // and dv against the portable kernel's (dV bitwise, dK within the rounding of P's fp16 hand-over). The variants
-// the Hopper kernel came from, and their figures, are in bench/NOTES.md (v17, v18); its stage counts (variants
-// below), v19.
+// the Hopper kernel came from, and their figures, are in bench/NOTES.md (v17, v18); its stage counts, v19; its
+// producer warps (variants below) and a form whose consumers take the pairs in turn, v20.
 //
 //   nvcc -std=c++17 -O3 --expt-relaxed-constexpr -arch=sm_90a -I include -o hopper_backward
 //   bench/probes/hopper_backward.cu
@@ -29,10 +29,12 @@ namespace gd = vsa::gpu::detail;
 constexpr int D = 128;
 using E = gpu::bf16_type;
 
-// Tunings of the Hopper dk/dv timed beside the library's (hopper::dkdv_tuning): its stage count. Other tunings
+// Tunings of the Hopper dk/dv timed beside the library's (hopper::dkdv_tuning): its producer warps. Other tunings
 // tried (head dim 64, two blocks an SM) are on the branch the notes name (bench/NOTES.md, v19).
-template <int Stages> struct tuning : gd::hopper::dkdv_tuning { static constexpr int stages = Stages; };
-using variants = std::tuple<tuning<3>, tuning<5>>;
+template <int Stages, int Warps> struct tuning : gd::hopper::dkdv_tuning {
+  static constexpr int stages = Stages, producer_warps = Warps;
+};
+using variants = std::tuple<tuning<4, 1>, tuning<4, 4>>;
 
 int main(int argc, char** argv) {
   const float amp = argc > 1 ? std::atof(argv[1]) : 1.f; // input scale (scores grow with its square)
@@ -94,7 +96,8 @@ int main(int argc, char** argv) {
     each_variant([&](auto t) {
       using T = decltype(t);
       const float tv = probe::median_ms(variant_launch(t));
-      std::printf("  Hopper, %d stages: %.3f ms (%.0f)\n", T::stages, tv, dkdv_flops / tv * 1e-9);
+      std::printf("  Hopper, %d stages, %d producer warps: %.3f ms (%.0f)\n", T::stages, T::producer_warps, tv,
+                  dkdv_flops / tv * 1e-9);
     });
   }
   CHECK(cudaGetLastError());
@@ -120,7 +123,7 @@ int main(int argc, char** argv) {
     bp = saved;
     ok = ok && cudaDeviceSynchronize() == cudaSuccess;
     if (!ok) return (void)std::printf("a variant's launch failed: %s\n", cudaGetErrorString(cudaGetLastError()));
-    std::printf("Hopper, %d stages, against the library's tuning:\n", T::stages);
+    std::printf("Hopper, %d stages, %d producer warps, against the library's tuning:\n", T::stages, T::producer_warps);
     compare("dk", dk, dk2);
     compare("dv", dv, dv2);
   });

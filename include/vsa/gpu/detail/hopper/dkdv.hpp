@@ -1,10 +1,10 @@
 // dk and dv of the sparse pass on Hopper (sm_90a, head dim 128), warp-specialized: three warpgroups a block, one
 // block a key tile, walking the tile's (query head, query tile) pairs as the portable attention_dkdv_kernel does.
 //
-//   producer   its first warp, once both consumers have freed a stage of the ring (empty barrier), asks the copy
-//              engine for the next pair's Q and dO, reads the pair's row statistics (log-sum-exp, delta) and the
-//              query tile's valid count into the stage, and arrives on the stage's full barrier; the warpgroup
-//              first gives most of its registers to the consumers (setmaxnreg);
+//   producer   its first warps (dkdv_tuning::producer_warps, pairs in turn), once both consumers have freed a stage
+//              of the ring (empty barrier), ask the copy engine for the next pair's Q and dO, read the pair's row
+//              statistics (log-sum-exp, delta) and the query tile's valid count into the stage, and arrive on the
+//              stage's full barrier; the warpgroup first gives most of its registers to the consumers (setmaxnreg);
 //   consumer 0 owns dV: Sᵀ = K·Qᵀ, P = exp2(Sᵀ·scale·log2 e − lse), hands P to consumer 1 in fp16, dV += Pᵀ·dO;
 //   consumer 1 owns dK: dPᵀ = V·dOᵀ, dS = P ∘ (dPᵀ − delta), dK += dSᵀ·Q.
 //
@@ -37,13 +37,16 @@ namespace gpu {
 namespace detail {
 namespace hopper {
 
-// The kernel's tuning: the ring of Q/dO stages, and the registers a thread setmaxnreg leaves the producer warpgroup
+// The kernel's tuning: the ring of Q/dO stages, the registers a thread setmaxnreg leaves the producer warpgroup
 // and gives each consumer (their sum over the block within the 168 a thread that the launch bounds grant 384
-// threads). Stages measured on the H200 (dk/dv alone, wan2.1; bench/NOTES.md): before the products overlapped (v17)
-// 3 stages 4.48 ms, 4 stages 4.09-4.11, 5 stages 4.34-4.40; with the overlap (v19, two runs) 3 stages 4.02-4.31,
-// 4 stages 3.68-4.03, 5 stages 3.78-3.92. A type, so that a probe can time others.
+// threads), and the producer warps that fill the ring. Stages measured on the H200 (dk/dv alone, wan2.1;
+// bench/NOTES.md): before the products overlapped (v17) 3 stages 4.48 ms, 4 stages 4.09-4.11, 5 stages 4.34-4.40;
+// with the overlap (v19, two runs) 3 stages 4.02-4.31, 4 stages 3.68-4.03, 5 stages 3.78-3.92. Producer warps (v20,
+// one run, two rounds): 1 warp 4.06-4.10 ms, 2 warps 3.92-3.97, 4 warps 3.95-3.99: each pair's list entry, then its
+// statistics, are two dependent L2 round trips, which one warp runs one pair after another. A type, so that a probe
+// can time others.
 struct dkdv_tuning {
-  static constexpr int stages = 4, producer_regs = 40, consumer_regs = 232;
+  static constexpr int stages = 4, producer_regs = 40, consumer_regs = 232, producer_warps = 2;
 };
 
 // What the producer leaves in a stage beside its tiles.
@@ -83,6 +86,49 @@ struct dkdv_pairs {
   __device__ __forceinline__ bool done() const { return g >= p.group; }
 };
 
+// The block's shared tiles: its key tile's K and V, then the ring's stages of Q and dO.
+template <int D> struct dkdv_ring {
+  uint16_t* base;
+  __device__ __forceinline__ smem_tile<D> k() const { return {base}; }
+  __device__ __forceinline__ smem_tile<D> v() const { return {base + 64 * D}; }
+  __device__ __forceinline__ smem_tile<D> q(int buf) const { return {base + (2 + 2 * buf) * 64 * D}; }
+  __device__ __forceinline__ smem_tile<D> d_o(int buf) const { return {base + (3 + 2 * buf) * 64 * D}; }
+  // What follows the tiles of `stages` stages.
+  __device__ __forceinline__ void* end(int stages) const { return base + (2 + 2 * stages) * 64 * D; }
+};
+
+#if VSA_WGMMA
+// Producer warp `warp` of Warps: pair n of `it` into stage n mod Stages of the ring, for the n with n mod Warps =
+// warp (so that each stage has one warp, and the warps' L2 round trips overlap), once that stage's earlier pair has
+// been read (its empty barrier): lane 0 asks the copy engine for Q and dO, every lane reads two rows' statistics
+// into the stage's info, lane 0 the valid count, and each lane arrives on the stage's full barrier after its stores.
+template <int D, int Stages, int Warps>
+__device__ __forceinline__ void produce_pairs(dkdv_pairs& it, const backward_params& p, const sparse_schedule& s,
+                                              dkdv_ring<D> ring, uint64_t* full, uint64_t* empty, dkdv_stage_info* info,
+                                              int lane, int warp) {
+  static_assert(Stages % Warps == 0, "each stage filled by one warp");
+  const int64_t rows_total = s.rows_total(), b = it.b, hk = it.hk;
+  const auto counter = s.valid_counter();
+  for (int n = 0; !it.done(); it.next(), ++n) { // under 2^31 pairs: the launcher's condition
+    if (n % Warps != warp) continue;
+    const int buf = n % Stages, round = n / Stages;
+    if (round > 0) tma::wait(&empty[buf], static_cast<uint32_t>((round - 1) & 1));
+    const int64_t h = hk * p.group + it.g, i = s.at(it.pos), row = (b * p.q_heads + h) * rows_total + i * 64;
+    if (lane == 0)
+      tma::tile_pair{&full[buf], 0u}.load<D>(ring.q(buf), &p.q_map, ring.d_o(buf), &p.do_map, i * 64, h, b);
+    const bool live = i >= 0;
+    const float l0 = live ? p.lse[row + lane] : 0.f, l1 = live ? p.lse[row + 32 + lane] : 0.f;
+    const float d0 = live ? p.delta[row + lane] : 0.f, d1 = live ? p.delta[row + 32 + lane] : 0.f;
+    info[buf].lse2[lane] = l0 * log2_e;
+    info[buf].lse2[32 + lane] = l1 * log2_e;
+    info[buf].delta[lane] = d0;
+    info[buf].delta[32 + lane] = d1;
+    if (lane == 0) info[buf].valid = counter.valid(i);
+    tma::arrive(&full[buf]); // releases this lane's stores
+  }
+}
+#endif
+
 // Launched with block_threads threads and dkdv_plan<D, T>::bytes of shared memory, a block per entry of p.order; only
 // where the kernel runs as sm_90a code and the tiles' maps encode (backward_params::tma; attention_launch.hpp). The
 // launcher tells the compiled body from the empty one of other builds by the barriers' static shared memory.
@@ -94,12 +140,13 @@ template <class E, int D, class T = dkdv_tuning> __global__ void __launch_bounds
   constexpr int stages = T::stages;
   extern __shared__ uint4 smem_raw[];
   uint16_t* sm = aligned_smem(smem_raw);
-  const smem_tile<D> sk{sm}, sv{sm + 64 * D};
-  const auto sq = [&](int buf) { return smem_tile<D>{sm + (2 + 2 * buf) * 64 * D}; };
-  const auto sdo = [&](int buf) { return smem_tile<D>{sm + (3 + 2 * buf) * 64 * D}; };
+  const dkdv_ring<D> ring{sm};
+  const smem_tile<D> sk = ring.k(), sv = ring.v();
+  const auto sq = [&](int buf) { return ring.q(buf); };
+  const auto sdo = [&](int buf) { return ring.d_o(buf); };
   static_assert(M::score_elems == 32, "P's hand-over: 32 values a consumer thread");
   __shared__ __align__(8) uint64_t full[stages], empty[stages], p_full[2], p_empty[2];
-  const score_handoff hand{reinterpret_cast<uint4*>(sm + (2 + 2 * stages) * 64 * D), p_full, p_empty};
+  const score_handoff hand{static_cast<uint4*>(ring.end(stages)), p_full, p_empty};
   dkdv_stage_info* info = reinterpret_cast<dkdv_stage_info*>(reinterpret_cast<char*>(hand.data) + score_handoff_bytes);
 
   const int64_t item = p.order[blockIdx.x];
@@ -122,23 +169,8 @@ template <class E, int D, class T = dkdv_tuning> __global__ void __launch_bounds
   it.first();
   if (wg == 2) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(T::producer_regs) : "memory");
-    if (wtid >= 32) return;
-    const auto counter = s.valid_counter();
-    for (int n = 0; !it.done(); it.next(), ++n) { // under 2^31 pairs: the launcher's condition
-      const int buf = n % stages, round = n / stages;
-      if (round > 0) tma::wait(&empty[buf], static_cast<uint32_t>((round - 1) & 1));
-      const int64_t h = hk * p.group + it.g, i = s.at(it.pos), row = (b * p.q_heads + h) * rows_total + i * 64;
-      if (wtid == 0) tma::tile_pair{&full[buf], 0u}.load<D>(sq(buf), &p.q_map, sdo(buf), &p.do_map, i * 64, h, b);
-      const bool live = i >= 0;
-      const float l0 = live ? p.lse[row + wtid] : 0.f, l1 = live ? p.lse[row + 32 + wtid] : 0.f;
-      const float d0 = live ? p.delta[row + wtid] : 0.f, d1 = live ? p.delta[row + 32 + wtid] : 0.f;
-      info[buf].lse2[wtid] = l0 * log2_e;
-      info[buf].lse2[32 + wtid] = l1 * log2_e;
-      info[buf].delta[wtid] = d0;
-      info[buf].delta[32 + wtid] = d1;
-      if (wtid == 0) info[buf].valid = counter.valid(i);
-      tma::arrive(&full[buf]); // releases this lane's stores
-    }
+    if (wtid < 32 * T::producer_warps)
+      produce_pairs<D, stages, T::producer_warps>(it, p, s, ring, full, empty, info, wtid % 32, wtid / 32);
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(T::consumer_regs) : "memory");
