@@ -13,6 +13,7 @@
 #pragma once
 
 #include "../platform.hpp"
+#include "../tuning.hpp"
 #include "smem_layout.hpp"
 
 namespace vsa {
@@ -67,84 +68,61 @@ inline constexpr int max_block_smem = 99 * 1024;
 #endif
 
 // Blocks of the forward kernel that should share a multiprocessor, the register cap __launch_bounds__ derives
-// from it (65536 / (128 threads · blocks)). Hopper's sparse pass: the one-stage pipeline's 48 KiB (D = 128) or
-// 40 KiB (D = 64) let four sit on an SM's 227 KiB, so registers are capped at 128 (ptxas spills 16-92 bytes at
-// D = 128, none at D = 64); measured on the H200 against three blocks (163 / 136 registers): 1.04-1.05x at
-// D = 128, 1.10x at D = 64 (bench/NOTES.md, v15). Elsewhere three, the most the shared memory of two stages
-// allows on sm_80 and sm_90 (the coarse pass); CDNA places by LDS alone.
-inline constexpr int forward_min_blocks([[maybe_unused]] bool hopper, [[maybe_unused]] bool few_blocks) {
-#if VSA_PLATFORM_AMD
-  return 1;
-#else
-  return hopper && !few_blocks ? 4 : 3;
-#endif
+// from it (65536 / (128 threads · blocks)): the tuning table's (tuning.hpp), by pass.
+inline constexpr int forward_min_blocks(bool hopper, bool few_blocks) {
+  return tuning::of(hopper).forward(few_blocks).min_blocks;
 }
 
 // The backward's portable kernels' second launch bound, from their MinBlocks template argument (a probe's; 0 by
-// default, no bound). With none, ptxas picks their registers itself (Hopper, D = 64: 128 for dq, 165 for dk/dv: four
-// and three blocks an SM); a bound of one block would let it take up to 255 (152 and 203), and caps of five dq or
-// four dk/dv blocks spill and measured 1.5x and 1.8x slower on the H200 (bench/NOTES.md, v19). CDNA reads the
-// second bound as waves an execution unit: none there.
-inline constexpr int backward_min_blocks([[maybe_unused]] int asked) {
-#if VSA_PLATFORM_AMD
-  return 0;
-#else
-  return asked;
-#endif
-}
+// default, no bound: tuning/nvidia_mma.hpp says why), where the platform reads the bound as blocks (the tuning
+// table's min_blocks_bound: NVIDIA's).
+inline constexpr int backward_min_blocks(int asked) { return tuning::of(false).min_blocks_bound ? asked : 0; }
 
-// How the attention kernels use that budget for head dim D: two copy stages (the next tile streams in while
-// the current one is used) where they fit, one otherwise; the dk/dv kernel's per-row statistics in shared
-// memory where they fit, read from global memory otherwise.
+// How the attention kernels use that budget for head dim D, by the tuning table of the code (`hopper`: Hopper
+// code; tuning.hpp), which says why each family takes what it takes: the copy stages (with two, the next tile
+// streams in while the current one is used; the table asks for two where they fit, and gets one where they do
+// not), the dk/dv kernel's per-row statistics in shared memory where they fit, read from global memory otherwise.
 template <int D> struct smem_plan {
   static constexpr int tile = smem_tile<D>::bytes;
   static constexpr int stats = 2 * 2 * 64 * 4; // per stage: log-sum-exp and delta of 64 rows
   // Forward: copy stages and bytes, `hopper` for Hopper code, `few_blocks` for a grid smaller than one wave
   // of the GPU (the coarse pass). Two stages: while tile j is used, tile j+1 streams into the other stage;
-  // Q, read into registers first, borrows the second stage's K slot. On Hopper the wgmma backend reads Q
-  // from shared memory in every product, so Q keeps a slot of its own, and a grid that fills the GPU gets
-  // one stage: Q, K and V in 48 KiB for D = 128, four blocks per SM with registers capped at 128
-  // (forward_min_blocks), against two with two stages and Q's own slot (80 KiB). Measured on an H200
-  // (bench/NOTES.md): one stage 1.17x faster than two at three blocks an SM, four blocks 1.04x more. With the copy
-  // engine (hopper_tma.hpp) K and V are each refilled right after the product that reads them, so one stage still
-  // overlaps copy and work. The coarse pass keeps two stages and copy_tile: there each block's chain of steps matters,
-  // not occupancy, and one stage through the copy engine measured slower (23.4 → 27.9 µs on wan2.1, bench/NOTES.md v8).
-  //
-  // Head dim 64 on Hopper is the exception (forward_overlap): its tiles are small (40 KiB for two stages and
-  // Q; registers, not shared memory, bound its blocks an SM), and its matrix work per step is no more than
-  // its exponentials, so the loop overlaps the products of one step with the softmax of the next, which
-  // needs the next K while the current V is still read: two stages.
-  static constexpr bool forward_overlap(bool hopper, bool few_blocks) { return hopper && !few_blocks && D == 64; }
+  // Q, read into registers first, borrows the second stage's K slot, unless the table keeps it a slot of its
+  // own (Hopper's wgmma reads Q from shared memory in every product). forward_overlap: the products of one
+  // step overlap the softmax of the next (hopper/forward_overlap.hpp).
+  static constexpr bool forward_overlap(bool hopper, bool few_blocks) {
+    return tuning::of(hopper).forward(few_blocks).overlap(D);
+  }
   static constexpr int forward_stages(bool hopper, bool few_blocks) {
-    return forward_overlap(hopper, few_blocks) ? 2 : hopper && !few_blocks ? 1 : 2 * 2 * tile <= max_block_smem ? 2 : 1;
+    return tuning::of(hopper).forward(few_blocks).stages(D) == 2 && 2 * 2 * tile <= max_block_smem ? 2 : 1;
   }
   static constexpr bool forward_q_shares(bool hopper, bool few_blocks) {
-    return !hopper && forward_stages(hopper, few_blocks) == 2;
+    return !tuning::of(hopper).forward_q_own_slot && forward_stages(hopper, few_blocks) == 2;
   }
-  // Hopper's sparse pass in the one-step loop forms P's row sums on the matrix cores (row_sums_by_product,
-  // matrix.hpp) from a block of ones after Q: 1 KiB more, four blocks an SM still.
+  // K and V through the copy engine (hopper/feeds.hpp), where the loop has one stage or overlaps.
+  static constexpr bool forward_copy_engine(bool hopper, bool few_blocks) {
+    return tuning::of(hopper).forward(few_blocks).copy_engine;
+  }
+  // P's row sums formed on the matrix cores (row_sums_by_product, matrix.hpp) from a block of ones after Q.
   static constexpr int ones_bytes = 1024; // warpgroup_mma::ones_bytes, which host code cannot name
   static constexpr bool forward_ones(bool hopper, bool few_blocks) {
-    return hopper && !few_blocks && !forward_overlap(hopper, few_blocks);
+    return tuning::of(hopper).forward(few_blocks).ones(D);
   }
   static constexpr int forward_bytes(bool hopper, bool few_blocks) {
     return (2 * forward_stages(hopper, few_blocks) + (forward_q_shares(hopper, few_blocks) ? 0 : 1)) * tile +
            (forward_ones(hopper, few_blocks) ? ones_bytes : 0) + smem_slack;
   }
-  // Backward: two stages where they fit, except on Hopper, where one stage (64 KiB for D = 128: three dq
-  // blocks per SM instead of two) measured 1.07x faster on the H200.
+  // Backward: the dq kernel's (K, V) stages and the portable dk/dv's (Q, dO) stages (the Hopper sparse pass at
+  // D = 128 has a kernel and plan of its own: hopper/dkdv.hpp), two where the table asks for two and they fit.
+  static constexpr bool backward_two_stages_fit = (2 + 2 * 2) * tile + stats + smem_slack <= max_block_smem;
   static constexpr int backward_stages(bool hopper) {
-    return !hopper && (2 + 2 * 2) * tile + stats + smem_slack <= max_block_smem ? 2 : 1;
+    return tuning::of(hopper).dq_stages == 2 && backward_two_stages_fit ? 2 : 1;
   }
-  // The portable dk/dv (the Hopper sparse pass at D = 128 has a kernel and plan of its own: hopper/dkdv.hpp)
-  // takes two stages of Q and dO wherever they fit, Hopper's D = 128 included: its registers (254 a
-  // thread) hold it at two blocks an SM whatever its shared memory, so the second stage costs no block, and
-  // the next pair's tiles stream in through the copy engine during the whole of a step: 1.04x on the H200
-  // (bench/NOTES.md, v15). Hopper's D = 64 keeps one: its second stage goes through cp.async (no copy engine
-  // there, see the kernel) and measured 1.04x slower.
   static constexpr int dkdv_stages(bool hopper) {
-    return hopper && D == 64 ? 1 : (2 + 2 * 2) * tile + stats + smem_slack <= max_block_smem ? 2 : 1;
+    return tuning::of(hopper).dkdv_stages(D) == 2 && backward_two_stages_fit ? 2 : 1;
   }
+  // Q and dO of the portable dk/dv through the copy engine (hopper/feeds.hpp).
+  static constexpr bool dkdv_copy_engine(bool hopper) { return tuning::of(hopper).dkdv_copy_engine(D); }
   static constexpr bool stats_in_smem(bool hopper) {
     return (2 + 2 * backward_stages(hopper)) * tile + stats + smem_slack <= max_block_smem;
   }

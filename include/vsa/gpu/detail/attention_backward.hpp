@@ -261,11 +261,10 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), backward_min_bl
   const auto locate = [&](int g, int64_t& begin, int64_t& end) {
     s.range(b * p.q_heads + hk * p.group + g, j, begin, end);
   };
-  // Q and dO through the copy engine where the host encoded their maps (hopper/feeds.hpp), a barrier a stage;
-  // the row statistics keep their plain loads. Not at D = 64: there the path costs registers (165 → 174) and
-  // with them the third block an SM, and capped at three blocks it measured slower on the H200
-  // (bench/NOTES.md, v8).
-  using feed_type = qdo_feed<D, stages, backward_params, D == 128>;
+  // Q and dO through the copy engine where the host encoded their maps and the tuning table takes it (Hopper at
+  // D = 128: smem_plan::dkdv_copy_engine; hopper/feeds.hpp), a barrier a stage; the row statistics keep their
+  // plain loads.
+  using feed_type = qdo_feed<D, stages, backward_params, smem_plan<D>::dkdv_copy_engine(hopper_code)>;
   __shared__ __align__(8) typename feed_type::barriers q_ready;
   feed_type feed(q_ready, p.tma != 0, tid, p);
   // A pair's row statistics (threads < 64, one row each) are read into registers when its tiles are asked for

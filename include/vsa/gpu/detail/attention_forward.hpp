@@ -46,7 +46,8 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
   constexpr int nthreads = 4 * M::threads;
   constexpr int R = M::rows_per_lane;
   constexpr float inf = __builtin_huge_valf();
-  // The pipeline, and why: smem_plan::forward_stages. The host sizes shared memory by the same rule.
+  // The pipeline: smem_plan::forward_stages, and why: the tuning table (tuning.hpp). The host sizes shared memory by
+  // the same rule.
   constexpr int stages = smem_plan<D>::forward_stages(hopper_code, Sched::few_blocks);
   constexpr bool q_shares = smem_plan<D>::forward_q_shares(hopper_code, Sched::few_blocks);
   static_assert(!q_shares || M::rows_in_registers, "Q lends its slot only from registers");
@@ -81,10 +82,11 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
   // Hopper at head dim 64: the products of a step overlap the softmax of the next (smem_plan::forward_overlap).
   constexpr bool overlap = smem_plan<D>::forward_overlap(hopper_code, Sched::few_blocks);
   // Hopper's sparse pass takes its K and V tiles through the copy engine where the host encoded their maps
-  // (hopper/feeds.hpp; elsewhere the feed does nothing). Each tile's next copy is asked for as soon as the
-  // products reading its stage are done. With one stage the next K is in flight during the softmax and P·V, the
-  // next V during the next Q·Kᵀ; the overlapped loop has two.
-  using feed_type = kv_feed<D, 2 * stages, forward_params, !Sched::few_blocks && (stages == 1 || overlap)>;
+  // (smem_plan::forward_copy_engine; hopper/feeds.hpp; elsewhere the feed does nothing). Each tile's next copy is
+  // asked for as soon as the products reading its stage are done. With one stage the next K is in flight during
+  // the softmax and P·V, the next V during the next Q·Kᵀ; the overlapped loop has two.
+  constexpr bool engine = smem_plan<D>::forward_copy_engine(hopper_code, Sched::few_blocks) && (stages == 1 || overlap);
+  using feed_type = kv_feed<D, 2 * stages, forward_params, engine>;
   __shared__ __align__(8) typename feed_type::barriers ready; // K, then V, of each stage
   feed_type feed(ready, p.tma != 0, tid, p, hk, b);
   const auto count = s.valid_counter();

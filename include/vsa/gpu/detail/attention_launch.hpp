@@ -55,10 +55,10 @@ status launch_forward(const forward_params& fp, const Sched& s, int64_t batch, i
   const dim3 grid(static_cast<unsigned>(s.tiles), static_cast<unsigned>(heads), static_cast<unsigned>(batch));
   forward_params f = fp;
   f.tma = 0;
-  if constexpr (!Sched::few_blocks) { // the coarse pass keeps copy_tile (smem_plan::forward_stages says why)
-    // Hopper's sparse pass copies K and V through the copy engine where both maps encode (hopper_tma.hpp).
+  if (smem_plan<D>::forward_copy_engine(hopper, Sched::few_blocks)) { // Hopper's sparse pass, not the coarse one
+    // K and V through the copy engine where both maps encode (hopper_tma.hpp).
     const int64_t kv_heads = heads / fp.group, tokens = s.rows_total();
-    if (hopper && encode_tile_map(f.k_map, fp.k.data, batch, tokens, kv_heads, D, fp.k.batch, fp.k.token, fp.k.head) &&
+    if (encode_tile_map(f.k_map, fp.k.data, batch, tokens, kv_heads, D, fp.k.batch, fp.k.token, fp.k.head) &&
         encode_tile_map(f.v_map, fp.v.data, batch, tokens, kv_heads, D, fp.v.batch, fp.v.token, fp.v.head))
       f.tma = 1;
   }

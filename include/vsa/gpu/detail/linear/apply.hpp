@@ -29,21 +29,19 @@ struct apply_params {
 // columns (the pair a lane's elements e, e + 1 form): {z, z, σ, σ} as one float4 and {m, m} as one float2.
 // Elsewhere the Q tiles are copy_stages stages. On Hopper they are a ring in which Q and O take turns: Q(c)
 // lands in a ring tile, each warp overwrites its rows with O(c), and the copy engine stores the tile from
-// there; the tile is asked for again once that store has read it.
-// The kernel is bound by latency, not by bytes: at two blocks of four warps an SM a scheduler found an eligible
-// warp in about half of its cycles, and a ring of four tiles (three Q tiles in flight) was no faster than one
-// Q tile in flight. So Hopper code at D = 128 runs three blocks an SM (168 registers, no spill) with a ring of
-// two, which is what three blocks' shared memory leaves room for.
+// there; the tile is asked for again once that store has read it. Its blocks an SM and the largest ring are the
+// tuning table's (Hopper at D = 128: three blocks, so a ring of two).
 template <class E, int D> struct apply_shape {
   static constexpr int threads = 4 * warp_mma<E, D>::threads;
   static constexpr int factors = (D / 2) * (16 + 8);
-  static constexpr int blocks(bool hopper) { return D == 128 ? (hopper ? 3 : 2) : 4; }
-  // The largest ring (at most four tiles) with which a block fits and blocks(true) blocks fit in an SM's shared
-  // memory; none where the block would not fit (AMD's 64 KiB).
+  static constexpr int blocks(bool hopper) { return tuning::of(hopper).apply_blocks(D); }
+  // The largest ring (at most the table's apply_ring tiles, at least two) with which a block fits and blocks(hopper)
+  // blocks fit in an SM's shared memory; none where the table has no ring or the block would not fit.
   static constexpr int ring(bool hopper) {
-    for (int r = 4; hopper && r >= 2; --r) {
+    for (int r = tuning::of(hopper).apply_ring; r >= 2; --r) {
       const int block = (D / 64 + r) * smem_tile<D>::bytes + factors + smem_slack;
-      if (block <= max_block_smem && blocks(true) * (block + hopper_block_reserve) <= hopper_sm_smem) return r;
+      if (block <= max_block_smem && blocks(hopper) * (block + tuning::hopper_block_reserve) <= tuning::hopper_sm_smem)
+        return r;
     }
     return 0;
   }

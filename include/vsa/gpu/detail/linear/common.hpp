@@ -1,5 +1,5 @@
 // What every linear-attention kernel shares: the launch-bound and tile-start macros (VSA_LINEAR_BOUNDS,
-// VSA_LINEAR_TILES), the platform's copy stages and Hopper's shared-memory limits, the fp32 record of a partial
+// VSA_LINEAR_TILES), the platform's copy stages (from its tuning table, tuning.hpp), the fp32 record of a partial
 // sum, the band layout of the warps that own rows of a D × D accumulator, the sequence in chunks of 64 tokens and
 // its slices, 16-byte pack / unpack, block_max, and the 16 × D row bands of score tiles as they are loaded from
 // and stored to shared memory. The kernels and the stored form of the state are described in
@@ -11,6 +11,7 @@
 #include "../../../types.hpp"
 #include "../../arch/matrix.hpp"
 #include "../../arch/wave_reduce.hpp"
+#include "../../tuning.hpp"
 #include "../attention_schedule.hpp"
 
 namespace vsa {
@@ -18,21 +19,18 @@ namespace gpu {
 namespace detail {
 namespace linear {
 
-// Resident blocks each kernel is compiled for (NVIDIA's second launch bound; it caps registers per
-// thread at 64K / (threads · blocks)). HIP's second bound means something else, so AMD gets only the first.
+// Resident blocks each kernel is compiled for (NVIDIA's second launch bound, the tuning table's *_blocks; it caps
+// registers per thread at 64K / (threads · blocks)). HIP's second bound means something else, so AMD gets only the
+// first.
 #if VSA_PLATFORM_NVIDIA
 #define VSA_LINEAR_BOUNDS(threads, blocks) __launch_bounds__(threads, blocks)
 #else
 #define VSA_LINEAR_BOUNDS(threads, blocks) __launch_bounds__(threads)
 #endif
 
-// Copies into shared memory are asynchronous on NVIDIA only; there a second stage lets the next tile stream
-// in while the current one is used. AMD's copy is a plain load and store, which a second stage cannot hide.
-#if VSA_PLATFORM_NVIDIA
-constexpr int copy_stages = 2;
-#else
-constexpr int copy_stages = 1;
-#endif
+// Stages of an asynchronous copy into shared memory: the platform's, whatever the code runs as (the tuning
+// tables say why).
+constexpr int copy_stages = tuning::of(false).copy_stages;
 
 // Where a block's shared tiles start: on the wgmma backend on a 1024-byte boundary (descriptor reads, see
 // smem_tile.hpp), for which Hopper blocks are given smem_slack more bytes (tile_slack, host and device
@@ -45,11 +43,6 @@ constexpr int copy_stages = 1;
 #define VSA_LINEAR_TILES(raw) reinterpret_cast<uint16_t*>(raw)
 #endif
 constexpr int tile_slack(bool hopper) { return hopper ? smem_slack : 0; }
-// What a Hopper (sm_90) block may opt into; only shared memory that the host adds for Hopper code alone (a
-// kernel's smem(true)) may go past max_block_smem.
-constexpr int hopper_max_block_smem = 227 * 1024;
-// Shared memory of a Hopper SM, and what the system keeps of it for each resident block.
-constexpr int hopper_sm_smem = 228 * 1024, hopper_block_reserve = 1024;
 
 // One fp32 record per (slice, head) of the partial sums: a D × D matrix, then two D-vectors.
 template <int D> struct record {

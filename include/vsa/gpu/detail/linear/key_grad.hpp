@@ -56,7 +56,7 @@ key_db(typename M::score_tile (&g)[T], const typename M::score_tile (&s)[T], con
 // Every output row depends on its own rows of k and v alone, so a warp needs no other warp's rows: on
 // Hopper with the copy engine (key_grad_tma below) the tile loop meets at one block barrier a tile.
 template <class E, int D, feature_map F>
-__global__ void VSA_LINEAR_BOUNDS((key_grad_shape<E, D>::threads), (D == 128 ? 2 : 3))
+__global__ void VSA_LINEAR_BOUNDS((key_grad_shape<E, D>::threads), (tuning::of(layer_tn).key_grad_blocks(D)))
     key_grad_kernel(const VSA_GRID_CONSTANT key_grad_params p) {
   using M = attention_mma<E, D>;
   constexpr int nthreads = key_grad_shape<E, D>::threads;

@@ -53,8 +53,8 @@ __device__ __forceinline__ void query_weights(typename warp_mma<E, D>::score_til
 // while the other four wait, one warp a scheduler with every latency exposed, and each would need the
 // registers of a whole row. On Hopper with the maps of Q, dO and dq, query_grad_tma (query_grad_hopper.hpp) runs the
 // tiles instead, through the copy engine; the loop below is the fallback, and the code of every other target.
-template <class E, int D, feature_map F> __global__ void
-VSA_LINEAR_BOUNDS((band_layout<E, D>::threads), (D == 128 ? (layer_tn ? query_grad_hopper_blocks : 1) : 2))
+template <class E, int D, feature_map F>
+__global__ void VSA_LINEAR_BOUNDS((band_layout<E, D>::threads), (tuning::of(layer_tn).query_grad_blocks(D)))
     query_grad_kernel(const VSA_GRID_CONSTANT query_grad_params p) {
   using M = attention_mma<E, D>;
   using L = band_layout<E, D>;
@@ -70,7 +70,7 @@ VSA_LINEAR_BOUNDS((band_layout<E, D>::threads), (D == 128 ? (layer_tn ? query_gr
   // Two warpgroups (D = 128) on the wgmma backend: the row phase runs on both, by column halves of d1
   // (query_grad_shape::split_rows); otherwise on the first four warps, whole rows each.
   constexpr bool split = layer_tn && query_grad_shape<E, D>::split_rows;
-  constexpr bool phi_in_smem = split && query_grad_hopper_blocks == 2;
+  constexpr bool phi_in_smem = split && query_grad_shape<E, D>::hopper_blocks == 2;
   static_assert(!split || (T == 2 && L::warps == 8 && query_grad_shape<E, D>::factors_in_smem), "split layout");
 
   extern __shared__ uint4 smem_raw[];

@@ -1,7 +1,6 @@
 // Backward, query side: what both bodies of the query gradient share (query_grad.hpp's loop and
-// query_grad_hopper.hpp's): the parameters, the blocks an SM of the Hopper build (VSA_QUERY_GRAD_HOPPER_BLOCKS),
-// the shared-memory shape (host and device), and the helpers of a row phase split by column parts (part_*,
-// combine_parts), dq_pair and add_column_groups.
+// query_grad_hopper.hpp's): the parameters, the shared-memory shape (host and device), and the helpers of a row phase
+// split by column parts (part_*, combine_parts), dq_pair and add_column_groups.
 #pragma once
 
 #include "common.hpp"
@@ -31,17 +30,6 @@ struct query_grad_params {
   tma_map q_map, do_map, dq_map;
 };
 
-// Blocks of query_grad an SM is compiled for at D = 128 on the wgmma backend (elsewhere one at D = 128, two at
-// D = 64). Two need registers capped at 128 a thread (256 threads), with the 64 of the dKV accumulator live
-// throughout; shared memory allows two (2 × ~101 KiB of the 228 KiB). Measured on the H200 (wan2.1, bf16,
-// elu+1): two blocks spill 64-112 B a thread inside the tile loop (165 MB of local loads a call) and the
-// backward took 534 µs; one block, no spills, 520 µs. So one is the default (bench/NOTES-linear.md). Two
-// blocks leave no room for the copy engine's stages, so that build keeps the cp.async loop.
-#ifndef VSA_QUERY_GRAD_HOPPER_BLOCKS
-#define VSA_QUERY_GRAD_HOPPER_BLOCKS 1
-#endif
-constexpr int query_grad_hopper_blocks = VSA_QUERY_GRAD_HOPPER_BLOCKS;
-
 template <class E, int D> struct query_grad_shape {
   using L = band_layout<E, D>;
   static constexpr int threads = L::threads;
@@ -67,19 +55,20 @@ template <class E, int D> struct query_grad_shape {
   // from the next 1024-byte boundary a third (Q, dO) stage and two tiles in which dq waits for the copy
   // engine's stores: three stages let two tiles stream in while one is used, two dq tiles let a tile's store
   // still read one while the next dq is written into the other. It is taken only where the blocks an SM the
-  // kernel is compiled for still fit (D = 128: 166 KiB at one block; D = 64: 77 KiB at two).
+  // kernel is compiled for on Hopper (the tuning table's query_grad_blocks) still fit (D = 128: 166 KiB at one
+  // block; D = 64: 77 KiB at two).
   static constexpr int tma_stages = 3, dq_stages = 2;
   static constexpr int tma_extra = (exchange_offset + exchange_floats * 4 + 1023) / 1024 * 1024;
   static constexpr int tma_bytes =
       tma_extra + (2 * (tma_stages - stages) + dq_stages) * smem_tile<D>::bytes + smem_slack;
-  static constexpr int hopper_blocks = D == 128 ? query_grad_hopper_blocks : 2;
-  static constexpr bool tma = stages == 2 && factors_in_smem && tma_bytes <= hopper_max_block_smem &&
-                              hopper_blocks * (tma_bytes + hopper_block_reserve) <= hopper_sm_smem;
+  static constexpr int hopper_blocks = tuning::of(true).query_grad_blocks(D);
+  static constexpr bool tma = stages == 2 && factors_in_smem && tma_bytes <= tuning::hopper_max_block_smem &&
+                              hopper_blocks * (tma_bytes + tuning::hopper_block_reserve) <= tuning::hopper_sm_smem;
   static constexpr int smem(bool hopper) {
     return hopper && tma ? tma_bytes : exchange_offset + exchange_bytes(hopper) + tile_slack(hopper);
   }
   static_assert(smem(false) <= max_block_smem, "query-gradient tiles do not fit");
-  static_assert(smem(true) <= hopper_max_block_smem, "query-gradient tiles do not fit (Hopper)");
+  static_assert(smem(true) <= tuning::hopper_max_block_smem, "query-gradient tiles do not fit (Hopper)");
   static_assert(threads / (D / 2) * D * 4 <= smem(false), "dz̄ scratch does not fit");
 };
 

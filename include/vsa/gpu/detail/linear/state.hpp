@@ -26,15 +26,16 @@ struct state_params {
 };
 
 // Shared memory: the (K, V) stages, then on Hopper a block of ones, the B operand through which the matrix
-// cores take z and Σ v (warpgroup_mma::tn_sums). Hopper keeps three stages (96 KiB of tiles at D = 128,
-// still two blocks an SM): the next two tiles stream in while one is used, which the copy engine's latency
-// needs at two blocks an SM; elsewhere the stages the platform's copy allows.
+// cores take z and Σ v (warpgroup_mma::tn_sums). The stages are the tuning table's (Hopper: three) where they
+// fit, otherwise the stages the platform's copy allows.
 template <class E, int D> struct state_shape {
   using L = band_layout<E, D>;
   static constexpr int threads = L::threads;
   static constexpr int ones_bytes = 1024; // warpgroup_mma::ones_bytes, which host code cannot name
   static constexpr int stages(bool hopper) {
-    return hopper && 3 * 2 * smem_tile<D>::bytes + ones_bytes + smem_slack <= max_block_smem ? 3 : copy_stages;
+    return 2 * tuning::of(hopper).state_stages * smem_tile<D>::bytes + ones_bytes + smem_slack <= max_block_smem
+               ? tuning::of(hopper).state_stages
+               : copy_stages;
   }
   static constexpr int tiles(bool hopper) { return 2 * stages(hopper) * smem_tile<D>::bytes; }
   static constexpr int smem(bool hopper) { return tiles(hopper) + (hopper ? ones_bytes : 0) + tile_slack(hopper); }
@@ -43,7 +44,7 @@ template <class E, int D> struct state_shape {
 };
 
 template <class E, int D, feature_map F>
-__global__ void VSA_LINEAR_BOUNDS((band_layout<E, D>::threads), (D == 128 ? 2 : 3))
+__global__ void VSA_LINEAR_BOUNDS((band_layout<E, D>::threads), (tuning::of(layer_tn).state_blocks(D)))
     state_kernel(const VSA_GRID_CONSTANT state_params p) {
   using M = attention_mma<E, D>;
   using L = band_layout<E, D>;

@@ -1,0 +1,57 @@
+// The shape of a tuning table: the numbers by which the kernels of one architecture family use its machine (copy
+// stages, blocks a multiprocessor, which variant of a loop), each measured or reasoned in the family's own file
+// (hopper.hpp, nvidia_mma.hpp, cdna.hpp). tuning.hpp picks the table of the code a kernel runs as. What the
+// numbers decide is in the plans that read them: smem_plan (arch/smem_tile.hpp) for the attention kernels, the
+// *_shape structs and launch bounds of the linear-attention kernels (detail/linear/). Plain values, so that host
+// code (shared-memory sizes) and device code (the kernels' constants and launch bounds) read the same table.
+#pragma once
+
+namespace vsa {
+namespace gpu {
+namespace tuning {
+
+// A value for each head dim the kernels are built for, D = 64 and D = 128: value(D).
+template <class T> struct per_dim {
+  T d64, d128;
+  constexpr T operator()(int d) const { return d <= 64 ? d64 : d128; }
+};
+
+// The attention forward of one pass: the sparse pass (a grid of many blocks) or the coarse one (smem_plan's
+// few_blocks: a grid under one wave of the GPU).
+struct forward_pass {
+  per_dim<int> stages;   // (K, V) copy stages: 2 where two fit in shared memory, otherwise 1
+  per_dim<bool> overlap; // the products of a step overlap the softmax of the next (hopper/forward_overlap.hpp)
+  per_dim<bool> ones;    // P's row sums on the matrix cores from a block of ones after Q (row_sums_by_product)
+  bool copy_engine;      // K and V through the copy engine (hopper/feeds.hpp), where the loop allows it
+  int min_blocks;        // the kernel's second launch bound (forward_min_blocks)
+};
+
+struct table {
+  // ---- attention (smem_plan, attention_forward.hpp, attention_backward.hpp) ----
+  forward_pass sparse, coarse;
+  // The forward's Q keeps a slot of its own instead of borrowing the second stage's K slot.
+  bool forward_q_own_slot;
+  // The dq kernel's (K, V) stages (smem_plan::backward_stages) and the portable dk/dv's (Q, dO) stages: 2 where
+  // they fit, otherwise 1.
+  int dq_stages;
+  per_dim<int> dkdv_stages;
+  // The portable dk/dv's Q and dO through the copy engine (hopper/feeds.hpp).
+  per_dim<bool> dkdv_copy_engine;
+  // The backward kernels' MinBlocks (a probe's) becomes their second launch bound (backward_min_blocks).
+  bool min_blocks_bound;
+  // ---- linear attention (detail/linear/) ----
+  // Stages of an asynchronous copy into shared memory (the same in both tables of a platform), and
+  // state_kernel's (K, V) stages where they fit (otherwise copy_stages).
+  int copy_stages;
+  int state_stages;
+  // The blocks an SM each kernel is compiled for (its second launch bound, VSA_LINEAR_BOUNDS).
+  per_dim<int> state_blocks, apply_blocks, query_grad_blocks, key_grad_blocks;
+  // The largest ring of Q/O tiles apply_kernel may take (apply_shape::ring); 0: no ring, copy_stages Q stages.
+  int apply_ring;
+
+  constexpr forward_pass forward(bool few_blocks) const { return few_blocks ? coarse : sparse; }
+};
+
+} // namespace tuning
+} // namespace gpu
+} // namespace vsa
