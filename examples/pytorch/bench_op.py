@@ -79,20 +79,22 @@ def main():
         print(f"{name:52s} {ms:9.3f} ms  {note}", flush=True)
 
     # As bench_attention's op_forward / op_backward: tiled tensors, no gate.
-    o, state, _, _ = ops.forward(tq, tk, tv, None, lgrid, 0, args.sparsity, 0.0, None, None, False)
-    fwd = lambda: ops.forward(tq, tk, tv, None, lgrid, 0, args.sparsity, 0.0, None, None, False)  # noqa: E731
-    bwd = lambda: ops.backward(td, tq, tk, tv, None, o, state, lgrid, 0, args.sparsity, 0.0, None, None)  # noqa: E731
+    o, state, _, _ = ops.forward(tq, tk, tv, None, lgrid, 0, args.sparsity, 0.0, None, None, False, False)
+    fwd = lambda: ops.forward(tq, tk, tv, None, lgrid, 0, args.sparsity, 0.0, None, None, False, False)  # noqa: E731
+    bwd = lambda: ops.backward(td, tq, tk, tv, None, o, state, lgrid, 0, args.sparsity, 0.0,  # noqa: E731
+                               None, None, False)
     record("torch.ops.vsa.forward (tiled, no gate)", gpu_ms(fwd, args.reps))
     record("torch.ops.vsa.backward (tiled, no gate)", gpu_ms(bwd, args.reps))
     results["host_us_forward_call"] = host_us(fwd)
     results["host_us_backward_call"] = host_us(bwd)
     print(f"host time per call: forward {results['host_us_forward_call']:.1f} us, backward "
           f"{results['host_us_backward_call']:.1f} us (GPU kept busy)", flush=True)
-    o, state, _, _ = ops.forward(tq, tk, tv, tg, lgrid, 0, args.sparsity, 0.0, None, None, False)
+    o, state, _, _ = ops.forward(tq, tk, tv, tg, lgrid, 0, args.sparsity, 0.0, None, None, False, False)
     record("torch.ops.vsa.forward (tiled, gated)",
-           gpu_ms(lambda: ops.forward(tq, tk, tv, tg, lgrid, 0, args.sparsity, 0.0, None, None, False), args.reps))
+           gpu_ms(lambda: ops.forward(tq, tk, tv, tg, lgrid, 0, args.sparsity, 0.0, None, None, False, False),
+                  args.reps))
     record("torch.ops.vsa.backward (tiled, gated)",
-           gpu_ms(lambda: ops.backward(td, tq, tk, tv, tg, o, state, lgrid, 0, args.sparsity, 0.0, None, None),
+           gpu_ms(lambda: ops.backward(td, tq, tk, tv, tg, o, state, lgrid, 0, args.sparsity, 0.0, None, None, False),
                   args.reps))
 
     xs = [x.clone().requires_grad_(True) for x in (q, k, v, g)]

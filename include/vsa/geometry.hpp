@@ -14,6 +14,21 @@ namespace vsa {
 inline constexpr int64_t tile_edge = 4;
 inline constexpr int64_t tile_tokens = 64;
 
+// The raster tokens of one tile's slots (tile_geometry::raster_rows_of), for code that asks for several: an
+// epilogue storing a tile's rows in raster order. The tile's first token and extent are found once; each slot's
+// token then takes two 32-bit divisions by the tile's own extents (a slot is below 64).
+struct raster_rows {
+  int64_t first = 0;          // raster index of the tile's first token
+  int64_t frame = 0, row = 0; // raster strides of t (H·W) and h (W)
+  uint32_t w = 1, hw = 1;     // the tile's extent along w, and along h times w
+
+  // Raster index of valid slot s (s below the tile's valid count).
+  VSA_HOST_DEVICE int64_t token(int s) const {
+    const uint32_t u = static_cast<uint32_t>(s), lt = u / hw, rest = u - lt * hw, lh = rest / w;
+    return first + lt * frame + lh * row + (rest - lh * w);
+  }
+};
+
 struct tile_geometry {
   grid3 grid;  // tokens
   grid3 tiles; // tiles along each axis
@@ -48,6 +63,19 @@ struct tile_geometry {
     if (s >= e.t * e.h * e.w) return -1;
     const int64_t lw = s % e.w, lh = (s / e.w) % e.h, lt = s / (e.w * e.h);
     return ((tt * tile_edge + lt) * grid.h + th * tile_edge + lh) * grid.w + tw * tile_edge + lw;
+  }
+  // raster_of_slot for every slot of tile n, in 32-bit arithmetic as valid().
+  VSA_HOST_DEVICE raster_rows raster_rows_of(int64_t n) const {
+    const uint32_t u = static_cast<uint32_t>(n), tw = static_cast<uint32_t>(tiles.w),
+                   th = static_cast<uint32_t>(tiles.h);
+    const uint32_t x = u % tw, y = (u / tw) % th, z = u / (tw * th);
+    raster_rows r;
+    r.row = grid.w;
+    r.frame = grid.h * grid.w;
+    r.w = static_cast<uint32_t>(axis_extent(grid.w, x));
+    r.hw = static_cast<uint32_t>(axis_extent(grid.h, y)) * r.w;
+    r.first = z * tile_edge * r.frame + y * tile_edge * r.row + x * tile_edge;
+    return r;
   }
   // Tiled position n·64 + s of raster token r.
   VSA_HOST_DEVICE int64_t slot_of_raster(int64_t r) const {

@@ -207,10 +207,15 @@ struct options {
   // Optional caller-supplied q2k lists (q2k, q2k_count, q2k_capacity; k2q fields ignored). When set, the
   // op skips block means, coarse attention and selection: o = o_s, and the gate must be absent.
   const_index_lists q2k{};
+  // Order of the op's outputs: o, as forward() writes it and backward() reads it, and the gradients dq, dk,
+  // dv and dgate. raster: T·H·W tokens, every valid slot's row at its token, so that a model takes them with no
+  // untile pass (nothing is written for padding slots); tiled: N·64 slots, padding slots written zero. The
+  // other tensors, q, k, v, gate and d_o, are tiled either way.
+  token_order output_order = token_order::tiled;
 };
 
-// Tensors of the whole op, all [B, S, H, D] views in tiled order (S = N·64). gate may have a null data
-// pointer (g = 1); then dgate must be null too.
+// Tensors of the whole op, all [B, S, H, D] views in tiled order (S = N·64; o and the gradients in raster order
+// when options::output_order says so). gate may have a null data pointer (g = 1); then dgate must be null too.
 struct forward_io {
   const_tensor q, k, v, gate;
   tensor o;

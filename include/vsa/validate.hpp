@@ -463,4 +463,20 @@ inline status resolve_op_top_k(int64_t num_tiles, const options& opt, int64_t& k
   return status::error(errc::bad_top_k, "sparsity: %g is outside [0, 1) (it sets k when top_k is 0)", opt.sparsity);
 }
 
+// The token count of the whole op's outputs (o and the gradients) under options::output_order, or the error
+// naming a value that is not a token_order.
+inline status output_tokens(const problem& p, const options& opt, int64_t& tokens) {
+  const tile_geometry geo(p.grid);
+  switch (opt.output_order) {
+  case token_order::tiled:
+    tokens = geo.tiled_tokens();
+    return status::ok();
+  case token_order::raster:
+    tokens = geo.raster_tokens();
+    return status::ok();
+  }
+  return status::error(errc::bad_argument, "output_order: not a token_order value (%d)",
+                       static_cast<int>(opt.output_order));
+}
+
 } // namespace vsa

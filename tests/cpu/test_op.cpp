@@ -35,7 +35,9 @@ struct op_result {
 
 op_result run_op(const problem& p, const options& opt, const op_tensors& x, bool gated, const host_tensor* d_o,
                  layout order = layout::bshd) {
-  const int64_t s = tile_geometry(p.grid).tiled_tokens();
+  const tile_geometry geo(p.grid);
+  // The outputs' tokens: o and the gradients in options::output_order.
+  const int64_t s = opt.output_order == token_order::raster ? geo.raster_tokens() : geo.tiled_tokens();
   op_result r;
   r.o = host_tensor(p.type, p.batch, s, p.q_heads, p.head_dim, order);
   r.o.fill_byte(test::poison_byte);
@@ -378,6 +380,35 @@ TEST_CASE("the op: GQA equals repeated kv heads, and layouts agree", "[cpu][op][
   CHECK(test::rel_error(rb.dk, r.dk) == 0.0);
   CHECK(test::rel_error(rb.dv, r.dv) == 0.0);
   CHECK(test::rel_error(rb.dgate, r.dgate) == 0.0);
+}
+
+TEST_CASE("the op in raster output order is the tiled op untiled", "[cpu][op][raster]") {
+  VSA_TEST_RNG(g, "op raster");
+  for (const dtype type : {dtype::f64, dtype::bf16}) {
+    for (const bool gated : {true, false}) {
+      INFO(dtype_name(type) << (gated ? " gated" : " ungated"));
+      const problem p = make_problem({5, 6, 7}, 2, 4, 2, 8, type);
+      const tile_geometry geo(p.grid);
+      const op_tensors x = random_op(p, g);
+      host_tensor d_o(p.type, 2, geo.tiled_tokens(), 4, 8);
+      test::fill_tiled_normal(d_o, p.grid, g);
+      options opt;
+      opt.top_k = 3;
+      const op_result tiled = run_op(p, opt, x, gated, &d_o);
+      opt.output_order = token_order::raster;
+      const op_result raster = run_op(p, opt, x, gated, &d_o);
+      const auto same = [&](const host_tensor& t, const host_tensor& r, int64_t heads) {
+        host_tensor want(p.type, 2, geo.raster_tokens(), heads, 8);
+        REQUIRE(reference::untile(p, heads, t.cview(), want.view()).is_ok());
+        CHECK(want.bytes == r.bytes);
+      };
+      same(tiled.o, raster.o, 4);
+      same(tiled.dq, raster.dq, 4);
+      same(tiled.dk, raster.dk, 2);
+      same(tiled.dv, raster.dv, 2);
+      if (gated) same(tiled.dgate, raster.dgate, 4);
+    }
+  }
 }
 
 TEST_CASE("the op's two-phase workspace", "[cpu][op][workspace]") {

@@ -5,6 +5,7 @@
 #include "support/gpu.hpp"
 #include "support/host.hpp"
 
+#include <vsa/gpu/layout.hpp>
 #include <vsa/gpu/op.hpp>
 #include <vsa/numeric.hpp>
 #include <vsa/reference.hpp>
@@ -508,6 +509,73 @@ TEST_CASE("the whole op with k = N and k = 1", "[gpu][op]") {
     aligned_buffer rws(rbytes);
     REQUIRE(reference::forward(p, opt, rio, rws.data(), rbytes).is_ok());
     CHECK(error_of(o, o_ref) < tolerance);
+  }
+}
+
+// The whole op with options::output_order raster: o written in raster order and read so by the backward, every
+// gradient stored at its token. Against the same op in tiled order with its outputs untiled afterwards (the GPU's
+// untile): bit for bit, over grids with partial tiles on every axis, GQA, both layouts, both head dims and types.
+TEST_CASE("the whole op in raster output order is the tiled op untiled, bit for bit", "[gpu][op]") {
+  for (const config& c : configs()) {
+    for (const bool gated : {true, false}) {
+      const problem p = to_problem(c);
+      VSA_TEST_RNG(g, "op-raster");
+      INFO(describe(c) << (gated ? " gated" : " ungated"));
+      const tile_geometry geo(p.grid);
+      const int64_t slots = geo.tiled_tokens(), tokens = geo.raster_tokens();
+      const host_tensor q = tiled_input(c, p.q_heads, g), k = tiled_input(c, p.kv_heads, g),
+                        v = tiled_input(c, p.kv_heads, g), d_o = tiled_input(c, p.q_heads, g),
+                        gate = tiled_input(c, p.q_heads, g);
+      const device_tensor q_in(q), k_in(k), v_in(v), do_in(d_o), gate_in(gate);
+      const const_tensor gate_view = gated ? gate_in.cview() : const_tensor{};
+      const auto shape = [&](int64_t s, int64_t heads) {
+        return host_tensor(c.type, c.batch, s, heads, c.head_dim, c.order);
+      };
+      const host_tensor tiled_q = shape(slots, p.q_heads), tiled_kv = shape(slots, p.kv_heads),
+                        raster_q = shape(tokens, p.q_heads), raster_kv = shape(tokens, p.kv_heads);
+      device_tensor o_t(tiled_q, poisoned), dq_t(tiled_q, poisoned), dk_t(tiled_kv, poisoned), dv_t(tiled_kv, poisoned),
+          dg_t(tiled_q, poisoned);
+      device_tensor o_r(raster_q, poisoned), dq_r(raster_q, poisoned), dk_r(raster_kv, poisoned),
+          dv_r(raster_kv, poisoned), dg_r(raster_q, poisoned);
+      const auto run = [&](token_order order, device_tensor& o, device_tensor& dq, device_tensor& dk, device_tensor& dv,
+                           device_tensor& dg) {
+        options opt{};
+        opt.sparsity = 0.6;
+        opt.output_order = order;
+        const forward_io fio{q_in.cview(), k_in.cview(), v_in.cview(), gate_view, o.view()};
+        const backward_io bio{q_in.cview(),  k_in.cview(), v_in.cview(), gate_view, o.cview(),
+                              do_in.cview(), dq.view(),    dk.view(),    dv.view(), gated ? dg.view() : tensor{}};
+        std::size_t fbytes = 0, bbytes = 0;
+        REQUIRE(forward(p, opt, fio, nullptr, fbytes, nullptr).is_ok());
+        REQUIRE(backward(p, opt, bio, nullptr, bbytes, nullptr).is_ok());
+        device_buffer ws(bbytes);
+        ws.poison();
+        const status sf = forward(p, opt, fio, ws.get(), bbytes, nullptr);
+        INFO(sf.message());
+        REQUIRE(sf.is_ok());
+        const status sb = backward(p, opt, bio, ws.get(), bbytes, nullptr);
+        INFO(sb.message());
+        REQUIRE(sb.is_ok());
+        VSA_REQUIRE_RT(gpu_sync());
+      };
+      run(token_order::tiled, o_t, dq_t, dk_t, dv_t, dg_t);
+      run(token_order::raster, o_r, dq_r, dk_r, dv_r, dg_r);
+      const auto same_as_untiled = [&](const device_tensor& tiled, const device_tensor& raster, int64_t heads,
+                                       const host_tensor& raster_shape, const char* name) {
+        INFO(name);
+        CHECK(raster.all_written()); // a raster tensor has no padding: every element is a valid token's
+        CHECK(raster.canaries_intact());
+        device_tensor want(raster_shape, poisoned);
+        REQUIRE(untile(p, heads, tiled.cview(), want.view(), nullptr).is_ok());
+        VSA_REQUIRE_RT(gpu_sync());
+        CHECK(want.download().bytes == raster.download().bytes);
+      };
+      same_as_untiled(o_t, o_r, p.q_heads, raster_q, "o");
+      same_as_untiled(dq_t, dq_r, p.q_heads, raster_q, "dq");
+      same_as_untiled(dk_t, dk_r, p.kv_heads, raster_kv, "dk");
+      same_as_untiled(dv_t, dv_r, p.kv_heads, raster_kv, "dv");
+      if (gated) same_as_untiled(dg_t, dg_r, p.q_heads, raster_q, "dgate");
+    }
   }
 }
 

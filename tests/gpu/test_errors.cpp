@@ -662,6 +662,11 @@ std::vector<bad_case> option_cases(int64_t n) {
        },
        errc::null_pointer, "q2k_count", true},
       {"caller lists with a gate", [](arguments& a) { a.opt.q2k = as_const(a.idx); }, errc::bad_argument, "gate", true},
+      {"output_order not a token_order", [](arguments& a) { a.opt.output_order = static_cast<token_order>(7); },
+       errc::bad_argument, "output_order", true},
+      // o holds the tiled slots, which raster order does not take.
+      {"output_order raster on tiled outputs", [](arguments& a) { a.opt.output_order = token_order::raster; },
+       errc::bad_tokens, "o", true},
   };
 }
 

@@ -86,11 +86,13 @@ inline at::Tensor empty_like_layout(const at::Tensor& like, int64_t tokens, int6
   return at::empty({b, tokens, heads, d}, like.options());
 }
 
-// The whole op's options; q2k, when given, are caller lists [B, Hq, N, capacity] and counts [B, Hq, N] (int32).
+// The whole op's options; q2k, when given, are caller lists [B, Hq, N, capacity] and counts [B, Hq, N] (int32);
+// raster_out: o and the gradients in raster order (options::output_order).
 inline vsa::options make_options(const vsa::problem& p, const at::Tensor& q, int64_t top_k, double sparsity,
                                  double scale, const c10::optional<at::Tensor>& q2k,
-                                 const c10::optional<at::Tensor>& q2k_count, const char* op) {
+                                 const c10::optional<at::Tensor>& q2k_count, const char* op, bool raster_out = false) {
   vsa::options opt;
+  opt.output_order = raster_out ? vsa::token_order::raster : vsa::token_order::tiled;
   opt.top_k = top_k;
   opt.sparsity = sparsity;
   opt.scale = static_cast<float>(scale);

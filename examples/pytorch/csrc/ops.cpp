@@ -95,9 +95,10 @@ TORCH_LIBRARY(vsa, m) {
   m.def("tile(Tensor x, int[] grid) -> Tensor");
   m.def("untile(Tensor x, int[] grid) -> Tensor");
   m.def("forward(Tensor q, Tensor k, Tensor v, Tensor? gate, int[] grid, int top_k, float sparsity, float scale, "
-        "Tensor? q2k, Tensor? q2k_count, bool return_selection) -> (Tensor, Tensor, Tensor, Tensor)");
+        "Tensor? q2k, Tensor? q2k_count, bool return_selection, bool raster_out) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("backward(Tensor d_o, Tensor q, Tensor k, Tensor v, Tensor? gate, Tensor o, Tensor state, int[] grid, "
-        "int top_k, float sparsity, float scale, Tensor? q2k, Tensor? q2k_count) -> (Tensor, Tensor, Tensor, Tensor)");
+        "int top_k, float sparsity, float scale, Tensor? q2k, Tensor? q2k_count, bool raster_out) -> "
+        "(Tensor, Tensor, Tensor, Tensor)");
   m.def("sparse_attention(Tensor q, Tensor k, Tensor v, Tensor q2k, Tensor q2k_count, int[] grid, float scale) -> "
         "(Tensor, Tensor)");
   m.def("sparse_attention_backward(Tensor d_o, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor q2k, "

@@ -57,24 +57,25 @@ inline void check_state(const at::Tensor& state, const at::Tensor& q, std::size_
   }
 }
 
-// The whole op's forward on tiled tensors: o, the state its backward reads, and (return_selection) copies
-// of the selected q2k lists [B, Hq, N, k] and counts [B, Hq, N]; empty tensors otherwise.
-template <class Backend> tensor_quad forward_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                const c10::optional<at::Tensor>& gate, at::IntArrayRef grid,
-                                                int64_t top_k, double sparsity, double scale,
-                                                const c10::optional<at::Tensor>& q2k,
-                                                const c10::optional<at::Tensor>& q2k_count, bool return_selection) {
+// The whole op's forward on tiled tensors: o (in raster order when raster_out: the library's output_order), the
+// state its backward reads, and (return_selection) copies of the selected q2k lists [B, Hq, N, k] and counts
+// [B, Hq, N]; empty tensors otherwise.
+template <class Backend>
+tensor_quad forward_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const c10::optional<at::Tensor>& gate, at::IntArrayRef grid, int64_t top_k, double sparsity,
+                       double scale, const c10::optional<at::Tensor>& q2k, const c10::optional<at::Tensor>& q2k_count,
+                       bool return_selection, bool raster_out) {
   const char* op = "forward";
   const vsa::problem p = make_problem(q, k, grid, op);
   check_bshd(v, q, op, "v");
   if (present(gate)) check_bshd(*gate, q, op, "gate");
   Backend be(q);
   check(vsa::check_problem(p, Backend::target), op);
-  const vsa::options opt = make_options(p, q, top_k, sparsity, scale, q2k, q2k_count, op);
+  const vsa::options opt = make_options(p, q, top_k, sparsity, scale, q2k, q2k_count, op, raster_out);
   vsa::op_buffers mem;
   check(be.forward(p, opt, vsa::forward_io{}, mem), op);
   const vsa::tile_geometry geo(p.grid);
-  at::Tensor o = empty_like_layout(q, geo.tiled_tokens(), p.q_heads);
+  at::Tensor o = empty_like_layout(q, raster_out ? geo.raster_tokens() : geo.tiled_tokens(), p.q_heads);
   at::Tensor state = bytes_tensor(mem.state_bytes, q), scratch = bytes_tensor(mem.scratch_bytes, q);
   mem.state = state.data_ptr();
   mem.scratch = data_or_null(scratch);
@@ -91,12 +92,14 @@ template <class Backend> tensor_quad forward_op(const at::Tensor& q, const at::T
   return {o, state, lists, counts};
 }
 
-// The whole op's backward: dq, dk, dv, and dgate (empty without a gate), from the forward's state.
-template <class Backend>
-tensor_quad backward_op(const at::Tensor& d_o, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                        const c10::optional<at::Tensor>& gate, const at::Tensor& o, const at::Tensor& state,
-                        at::IntArrayRef grid, int64_t top_k, double sparsity, double scale,
-                        const c10::optional<at::Tensor>& q2k, const c10::optional<at::Tensor>& q2k_count) {
+// The whole op's backward: dq, dk, dv, and dgate (empty without a gate), from the forward's state; with raster_out,
+// o as the forward wrote it and the gradients in raster order.
+template <class Backend> tensor_quad backward_op(const at::Tensor& d_o, const at::Tensor& q, const at::Tensor& k,
+                                                 const at::Tensor& v, const c10::optional<at::Tensor>& gate,
+                                                 const at::Tensor& o, const at::Tensor& state, at::IntArrayRef grid,
+                                                 int64_t top_k, double sparsity, double scale,
+                                                 const c10::optional<at::Tensor>& q2k,
+                                                 const c10::optional<at::Tensor>& q2k_count, bool raster_out) {
   const char* op = "backward";
   const vsa::problem p = make_problem(q, k, grid, op);
   check_bshd(v, q, op, "v");
@@ -105,11 +108,12 @@ tensor_quad backward_op(const at::Tensor& d_o, const at::Tensor& q, const at::Te
   if (present(gate)) check_bshd(*gate, q, op, "gate");
   Backend be(q);
   check(vsa::check_problem(p, Backend::target), op);
-  const vsa::options opt = make_options(p, q, top_k, sparsity, scale, q2k, q2k_count, op);
+  const vsa::options opt = make_options(p, q, top_k, sparsity, scale, q2k, q2k_count, op, raster_out);
   vsa::op_buffers mem;
   check(be.backward(p, opt, vsa::backward_io{}, mem), op);
   check_state(state, q, mem.state_bytes, op);
-  const int64_t tokens = vsa::tile_geometry(p.grid).tiled_tokens();
+  const vsa::tile_geometry geo(p.grid);
+  const int64_t tokens = raster_out ? geo.raster_tokens() : geo.tiled_tokens();
   at::Tensor dq = empty_like_layout(q, tokens, p.q_heads), dk = empty_like_layout(k, tokens, p.kv_heads),
              dv = empty_like_layout(v, tokens, p.kv_heads);
   at::Tensor dgate = present(gate) ? empty_like_layout(*gate, tokens, p.q_heads) : no_tensor(q, q.scalar_type());

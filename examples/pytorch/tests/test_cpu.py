@@ -234,7 +234,7 @@ def test_rejected_arguments_raise_value_error_with_the_library_message():
         vsa_torch.tile(q, grid, layout="sbhd")
     with pytest.raises(ValueError, match="state"):
         torch.ops.vsa.backward(q, q, k, v, None, q, torch.zeros(3, dtype=torch.uint8), list(grid), 0, 0.9, 0.0, None,
-                               None)
+                               None, False)
 
 
 def test_the_example_runs():

@@ -96,6 +96,7 @@ struct combine_backward_params {
   uint16_t* d_o_c;                    // [B, Hq, N, D]
   tile_geometry geo;
   int64_t batch, heads;
+  bool dgate_raster; // dgate in raster order: valid slots at their tokens, padding slots nowhere
 };
 
 template <class E, int D> __global__ void __launch_bounds__(tile_row_threads)
@@ -111,6 +112,7 @@ template <class E, int D> __global__ void __launch_bounds__(tile_row_threads)
     const int64_t h = item % p.heads, n = (item / p.heads) % tiles, b = item / p.heads / tiles;
     const int valid = p.geo.valid(n);
     const int64_t first = n * tile_tokens;
+    const raster_rows tokens = p.dgate_raster ? p.geo.raster_rows_of(n) : raster_rows{};
     float coarse[8];
     unpack8<E>(p.o_c[((b * p.heads + h) * tiles + n) * L::vectors + vec], coarse);
 
@@ -139,8 +141,13 @@ template <class E, int D> __global__ void __launch_bounds__(tile_row_threads)
           sum[e] += g[e] * d[e];
           dg[e] = d[e] * coarse[e];
         }
-        // Padding rows were loaded as zeros, so their dgate comes out as zeros too.
-        p.dgate.row(b, first + row, h)[vec] = row < valid ? pack8<E>(dg) : make_uint4(0u, 0u, 0u, 0u);
+        // Padding rows were loaded as zeros, so their dgate comes out as zeros too (tiled order; raster order has
+        // no place for them).
+        if (p.dgate_raster) {
+          if (row < valid) p.dgate.row(b, tokens.token(row), h)[vec] = pack8<E>(dg);
+        } else {
+          p.dgate.row(b, first + row, h)[vec] = row < valid ? pack8<E>(dg) : make_uint4(0u, 0u, 0u, 0u);
+        }
       } else {
 #pragma unroll
         for (int e = 0; e < 8; ++e) sum[e] += d[e];
@@ -198,16 +205,20 @@ inline status combine(const problem& p, const_tensor o_s, const_tensor gate, con
 
 // Backward of combine for the gate and o_c: dgate = dO ⊙ o_c on valid slots (0 on padding), and
 // d_o_c [B, Hq, N, D] (p.type) = the sum over each tile's valid slots of g ⊙ dO, accumulated in fp32.
-// gate.data null means g = 1, and then dgate.data must be null too.
+// gate.data null means g = 1, and then dgate.data must be null too. dgate_order raster: dgate holds T·H·W
+// tokens, each valid slot's gradient at its token (the whole op's options::output_order).
 inline status combine_backward(const problem& p, const_tensor d_o, const_tensor gate, const void* o_c, tensor dgate,
-                               void* d_o_c, gpu::stream_t stream) {
+                               void* d_o_c, gpu::stream_t stream, token_order dgate_order = token_order::tiled) {
   status s = check_problem(p, target::gpu);
   const tile_geometry geo(p.grid);
+  const bool raster = dgate_order == token_order::raster;
   if (s) s = check_tensor("d_o", d_o, p, p.q_heads, geo.tiled_tokens(), target::gpu);
   if (s) s = gpu::detail::check_gate_pair(gate, dgate.data);
   if (s && gate.data != nullptr) s = check_tensor("gate", gate, p, p.q_heads, geo.tiled_tokens(), target::gpu);
   if (s) s = check_pointer("o_c", o_c, 16);
-  if (s && dgate.data != nullptr) s = check_tensor("dgate", dgate, p, p.q_heads, geo.tiled_tokens(), target::gpu);
+  if (s && dgate.data != nullptr) {
+    s = check_tensor("dgate", dgate, p, p.q_heads, raster ? geo.raster_tokens() : geo.tiled_tokens(), target::gpu);
+  }
   if (s) s = check_pointer("d_o_c", d_o_c, 16);
   if (s) s = check_combine_backward_disjoint(p, d_o, gate, o_c, dgate, d_o_c);
   if (!s) return s;
@@ -219,7 +230,8 @@ inline status combine_backward(const problem& p, const_tensor d_o, const_tensor 
                                        static_cast<uint16_t*>(d_o_c),
                                        geo,
                                        p.batch,
-                                       p.q_heads};
+                                       p.q_heads,
+                                       raster};
   const unsigned blocks = gd::grid_blocks(p.batch * geo.num_tiles() * p.q_heads);
   return gd::dispatch_element(p.type, [&](auto element) {
     using E = decltype(element);

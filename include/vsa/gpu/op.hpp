@@ -178,8 +178,10 @@ inline status forward_planned(const problem& p, const options& opt, const op_wor
   void* const scratch = buffers.scratch;
   const int64_t tokens = tile_geometry(p.grid).tiled_tokens();
   const float scale = detail::resolve_scale(p, opt);
+  int64_t out_tokens = 0;
+  if (s) s = output_tokens(p, opt, out_tokens);
   if (s) s = detail::check_inputs(p, scale, io.q, io.k, io.v, tokens);
-  if (s) s = check_tensor("o", io.o, p, p.q_heads, tokens, target::gpu);
+  if (s) s = check_tensor("o", io.o, p, p.q_heads, out_tokens, target::gpu);
   if (s) s = detail::check_gate(p, w, io.gate, tokens);
   if (s && !w.coarse) s = detail::check_lists(p, opt.q2k, false);
   if (s) s = detail::check_buffers(buffers, w.state_bytes, w.forward_scratch_bytes);
@@ -218,6 +220,7 @@ inline status forward_planned(const problem& p, const options& opt, const op_wor
   // rounding residual, which the backward reads.
   gpu::detail::forward_params fp =
       detail::sparse_forward_params(p, scale, io.q, io.k, io.v, io.o, w.at<float>(state, w.lse));
+  fp.o.raster = opt.output_order == token_order::raster;
   fp.o_residual = w.at<int8_t>(state, w.o_residual);
   fp.o_c = w.coarse ? w.at<const uint16_t>(state, w.o_c) : nullptr;
   fp.gate = gpu::detail::make_operand(io.gate);
@@ -276,14 +279,16 @@ inline status backward_planned(const problem& p, const options& opt, const op_wo
   void* const scratch = buffers.scratch;
   const int64_t tokens = tile_geometry(p.grid).tiled_tokens();
   const float scale = detail::resolve_scale(p, opt);
+  int64_t out_tokens = 0;
+  if (s) s = output_tokens(p, opt, out_tokens);
   if (s) s = detail::check_inputs(p, scale, io.q, io.k, io.v, tokens);
-  if (s) s = check_tensor("o", io.o, p, p.q_heads, tokens, target::gpu);
+  if (s) s = check_tensor("o", io.o, p, p.q_heads, out_tokens, target::gpu);
   if (s) s = check_tensor("d_o", io.d_o, p, p.q_heads, tokens, target::gpu);
-  if (s) s = detail::check_gradients(p, io.dq, io.dk, io.dv, tokens);
+  if (s) s = detail::check_gradients(p, io.dq, io.dk, io.dv, out_tokens);
   if (s) s = detail::check_gate(p, w, io.gate, tokens);
   if (s && io.dgate.data != nullptr && io.gate.data == nullptr)
     s = status::error(errc::bad_argument, "dgate: given without a gate");
-  if (s && io.dgate.data != nullptr) s = check_tensor("dgate", io.dgate, p, p.q_heads, tokens, target::gpu);
+  if (s && io.dgate.data != nullptr) s = check_tensor("dgate", io.dgate, p, p.q_heads, out_tokens, target::gpu);
   if (s && !w.coarse) s = detail::check_lists(p, opt.q2k, false);
   if (s) s = detail::check_buffers(buffers, w.state_bytes, w.backward_scratch_bytes);
   if (s) {
@@ -304,7 +309,7 @@ inline status backward_planned(const problem& p, const options& opt, const op_wo
     void* d_o_c = w.at(scratch, w.d_o_c);
     o_c = w.at<const uint16_t>(state, w.o_c);
     float* scores = w.at<float>(scratch, w.b_scores); // formed again: N² floats are not worth keeping
-    s = combine_backward(p, io.d_o, io.gate, o_c, io.dgate, d_o_c, stream);
+    s = combine_backward(p, io.d_o, io.gate, o_c, io.dgate, d_o_c, stream, opt.output_order);
     if (s)
       s = coarse_scores(p, scale, w.at<const float>(state, w.q_c32), w.at<const float>(state, w.k_c32), scores, stream);
     std::size_t coarse_bytes = w.sparse_scratch - w.coarse_scratch;
@@ -322,14 +327,17 @@ inline status backward_planned(const problem& p, const options& opt, const op_wo
   // The sparse pass's backward, dq, dk and dv adding the block-mean backward of the coarse gradients.
   gpu::detail::backward_params bp = detail::sparse_backward_params(p, scale, io.q, io.k, io.v, io.d_o, io.dq, io.dk,
                                                                    io.dv, w.at<const float>(state, w.lse));
+  const bool raster = opt.output_order == token_order::raster;
+  bp.dq.raster = bp.dk.raster = bp.dv.raster = raster;
   if (w.coarse) {
     bp.fold_q = w.at<const float>(scratch, w.dq_c);
     bp.fold_k = w.at<const float>(scratch, w.dk_c);
     bp.fold_v = w.at<const float>(scratch, w.dv_c);
   }
   // Its row terms are those of o_s = o − g ⊙ o_c, o as the forward computed it (o + its residual).
-  gpu::detail::delta_params dp =
-      detail::delta_base(p, gpu::detail::make_operand(io.o), gpu::detail::make_operand(io.d_o), qs);
+  gpu::detail::operand o = gpu::detail::make_operand(io.o);
+  o.raster = raster;
+  gpu::detail::delta_params dp = detail::delta_base(p, o, gpu::detail::make_operand(io.d_o), qs);
   dp.gate = gpu::detail::make_operand(io.gate);
   dp.o_c = o_c;
   dp.o_residual = w.at<const int8_t>(state, w.o_residual);

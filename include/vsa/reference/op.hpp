@@ -10,6 +10,7 @@
 #include "block_means.hpp"
 #include "coarse_attention.hpp"
 #include "combine.hpp"
+#include "layout.hpp"
 #include "select.hpp"
 #include "sparse_attention.hpp"
 
@@ -196,6 +197,28 @@ inline const_index_lists op_lists(const op_plan& plan, const options& opt, const
   return {region<int32_t>(st, layout.q2k), region<int32_t>(st, layout.q2k_count), plan.top_k, nullptr, nullptr};
 }
 
+// An output of the op (o, a gradient) in options::output_order: `write` fills a tiled view of it; in raster order
+// that view is a temporary of N·64 slots, untiled into the caller's tensor afterwards.
+template <class F>
+status write_output(const problem& p, int64_t heads, token_order order, const tensor& out, F&& write) {
+  if (order == token_order::tiled) {
+    write(out);
+    return status::ok();
+  }
+  const int64_t slots = tile_geometry(p.grid).tiled_tokens();
+  std::vector<unsigned char> bytes(static_cast<std::size_t>(p.batch * slots * heads * p.head_dim) * dtype_size(p.type));
+  const tensor tiled = bshd<void*>(bytes.data(), p.batch, slots, heads, p.head_dim);
+  write(tiled);
+  return untile(p, heads, as_const(tiled), out);
+}
+// An output's tensor checked against the token count of options::output_order.
+template <class Ptr>
+status check_output(const char* name, const basic_tensor<Ptr>& x, const problem& p, const options& opt, int64_t heads) {
+  int64_t tokens = 0;
+  const status s = output_tokens(p, opt, tokens);
+  return s ? check_tensor(name, x, p, heads, tokens, target::cpu) : s;
+}
+
 // The forward, with the selection's lists taken from `chosen` when it is set (q2k rows of capacity top_k;
 // see forward_on_lists).
 inline status forward_impl(const problem& p, const options& opt, const forward_io& io, op_buffers& buffers,
@@ -209,7 +232,7 @@ inline status forward_impl(const problem& p, const options& opt, const forward_i
   if (!(s = detail::check_tiled("q", io.q, p, p.q_heads))) return s;
   if (!(s = detail::check_tiled("k", io.k, p, p.kv_heads))) return s;
   if (!(s = detail::check_tiled("v", io.v, p, p.kv_heads))) return s;
-  if (!(s = detail::check_tiled("o", io.o, p, p.q_heads))) return s;
+  if (!(s = detail::check_output("o", io.o, p, opt, p.q_heads))) return s;
   if (!(s = detail::check_gate(p, io.gate, nullptr, false))) return s;
   if (!(s = detail::check_buffers(layout, buffers, layout.forward_scratch))) return s;
   const const_index_lists lists = chosen != nullptr ? *chosen : plan.coarse ? const_index_lists{} : opt.q2k;
@@ -262,13 +285,14 @@ inline status forward_impl(const problem& p, const options& opt, const forward_i
     }
     double* lse = detail::region<double>(st, layout.lse);
     detail::sparse_forward_core(p, plan.scale, q, k, v, detail::op_lists(plan, opt, layout, st), o_s, lse);
-    if (plan.coarse) {
-      const const_tensor fine = bhsd<const void*>(o_s, p.batch, slots, p.q_heads, dim);
-      detail::combine_core(p, fine, io.gate, detail::region<void>(st, layout.o_c), io.o, dtype::f64);
-    } else {
-      detail::scatter(p, p.q_heads, o_s, io.o);
-    }
-    return status::ok();
+    return detail::write_output(p, p.q_heads, opt.output_order, io.o, [&](const tensor& o) {
+      if (plan.coarse) {
+        const const_tensor fine = bhsd<const void*>(o_s, p.batch, slots, p.q_heads, dim);
+        detail::combine_core(p, fine, io.gate, detail::region<void>(st, layout.o_c), o, dtype::f64);
+      } else {
+        detail::scatter(p, p.q_heads, o_s, o);
+      }
+    });
   });
 }
 
@@ -339,13 +363,13 @@ inline status backward(const problem& p, const options& opt, const backward_io& 
   if (!(s = detail::check_tiled("q", io.q, p, p.q_heads))) return s;
   if (!(s = detail::check_tiled("k", io.k, p, p.kv_heads))) return s;
   if (!(s = detail::check_tiled("v", io.v, p, p.kv_heads))) return s;
-  if (!(s = detail::check_tiled("o", io.o, p, p.q_heads))) return s;
+  if (!(s = detail::check_output("o", io.o, p, opt, p.q_heads))) return s;
   if (!(s = detail::check_tiled("d_o", io.d_o, p, p.q_heads))) return s;
-  if (!(s = detail::check_tiled("dq", io.dq, p, p.q_heads))) return s;
-  if (!(s = detail::check_tiled("dk", io.dk, p, p.kv_heads))) return s;
-  if (!(s = detail::check_tiled("dv", io.dv, p, p.kv_heads))) return s;
+  if (!(s = detail::check_output("dq", io.dq, p, opt, p.q_heads))) return s;
+  if (!(s = detail::check_output("dk", io.dk, p, opt, p.kv_heads))) return s;
+  if (!(s = detail::check_output("dv", io.dv, p, opt, p.kv_heads))) return s;
   if (!(s = detail::check_gate(p, io.gate, io.dgate.data, true))) return s;
-  if (io.dgate.data != nullptr && !(s = detail::check_tiled("dgate", io.dgate, p, p.q_heads))) return s;
+  if (io.dgate.data != nullptr && !(s = detail::check_output("dgate", io.dgate, p, opt, p.q_heads))) return s;
   if (!(s = detail::check_buffers(layout, buffers, layout.backward_scratch))) return s;
   if (!(s = check_backward_disjoint(p, io, buffers.state, layout.state_bytes, buffers.scratch, layout.backward_scratch,
                                     plan.coarse ? const_index_lists{} : opt.q2k)))
@@ -374,7 +398,14 @@ inline status backward(const problem& p, const options& opt, const backward_io& 
     if (plan.coarse) {
       const void* o_c = detail::region<void>(st, layout.o_c);
       double* d_o_c = detail::region<double>(sc, layout.b_doc);
-      detail::combine_backward_core(p, io.d_o, io.gate, o_c, io.dgate, d_o_c);
+      if (io.dgate.data == nullptr) {
+        detail::combine_backward_core(p, io.d_o, io.gate, o_c, io.dgate, d_o_c);
+      } else {
+        const status written = detail::write_output(p, p.q_heads, opt.output_order, io.dgate, [&](const tensor& dgate) {
+          detail::combine_backward_core(p, io.d_o, io.gate, o_c, dgate, d_o_c);
+        });
+        if (!written) return written;
+      }
       // The GPU stores the per-tile sum of g ⊙ dO in p.type; the reference rounds it the same way.
       detail::round_array(d_o_c, bq * n * dim, p.type);
       double* qc = detail::region<double>(sc, layout.b_qc);
@@ -407,10 +438,14 @@ inline status backward(const problem& p, const options& opt, const backward_io& 
       spread(p.kv_heads, dkc, dk);
       spread(p.kv_heads, dvc, dv);
     }
-    detail::scatter(p, p.q_heads, dq, io.dq);
-    detail::scatter(p, p.kv_heads, dk, io.dk);
-    detail::scatter(p, p.kv_heads, dv, io.dv);
-    return status::ok();
+    const auto store = [&](int64_t heads, const double* grad, const tensor& out) {
+      return detail::write_output(p, heads, opt.output_order, out,
+                                  [&](const tensor& t) { detail::scatter(p, heads, grad, t); });
+    };
+    status written = store(p.q_heads, dq, io.dq);
+    if (written) written = store(p.kv_heads, dk, io.dk);
+    if (written) written = store(p.kv_heads, dv, io.dv);
+    return written;
   });
 }
 

@@ -42,10 +42,10 @@ def untile(x, grid, *, layout="bshd"):
 # ---- the whole op -----------------------------------------------------------------------------------------
 
 class _VideoSparseAttention(torch.autograd.Function):
-    """The whole op on [B, S, H, D] views. In raster order the inputs are tiled and o untiled here, one pass each;
-    the backward tiles dO (and o again, rather than keeping a tiled copy) and untiles the gradients. keep_tiled:
-    the backward reads the forward's tiled q, k, v and gate; otherwise the caller's raster tensors are kept and
-    tiled again (less memory by the tiles' padding, four more layout passes)."""
+    """The whole op on [B, S, H, D] views. In raster order the inputs are tiled here, one pass each, and the op
+    writes o and the gradients in raster order itself (the library's output_order: no untile pass); the backward
+    tiles dO. keep_tiled: the backward reads the forward's tiled q, k, v and gate; otherwise the caller's raster
+    tensors are kept and tiled again (less memory by the tiles' padding, four more layout passes)."""
 
     @staticmethod
     def forward(ctx, q, k, v, gate, grid, top_k, sparsity, scale, raster, q2k, q2k_count, return_selection,
@@ -54,9 +54,8 @@ class _VideoSparseAttention(torch.autograd.Function):
         if raster:
             q, k, v = _ops.tile(q, grid), _ops.tile(k, grid), _ops.tile(v, grid)
             gate = _ops.tile(gate, grid) if gate is not None else None
-        o, state, lists, counts = _ops.forward(q, k, v, gate, grid, top_k, sparsity, scale, q2k, q2k_count,
-                                               return_selection)
-        out = _ops.untile(o, grid) if raster else o
+        out, state, lists, counts = _ops.forward(q, k, v, gate, grid, top_k, sparsity, scale, q2k, q2k_count,
+                                                 return_selection, raster)
         retile = raster and not keep_tiled
         ctx.args = (grid, top_k, sparsity, scale, raster, gate is not None, retile)
         ctx.save_for_backward(*(inputs if retile else (q, k, v, gate)), out, state, q2k, q2k_count)
@@ -72,16 +71,10 @@ class _VideoSparseAttention(torch.autograd.Function):
             gate = _ops.tile(gate, grid) if gated else None
         d_o = head_contiguous(d_out)
         if raster:
-            d_o, o = _ops.tile(d_o, grid), _ops.tile(out, grid)
-        else:
-            o = out
-        dq, dk, dv, dgate = _ops.backward(d_o, q, k, v, gate, o, state, grid, top_k, sparsity, scale, q2k,
-                                          q2k_count)
-        del d_o, o  # the tiled copies, freed before the untiled gradients are allocated
-        if raster:
-            dq, dk, dv = _ops.untile(dq, grid), _ops.untile(dk, grid), _ops.untile(dv, grid)
-            dgate = _ops.untile(dgate, grid) if gated else None
-        elif not gated:
+            d_o = _ops.tile(d_o, grid)
+        dq, dk, dv, dgate = _ops.backward(d_o, q, k, v, gate, out, state, grid, top_k, sparsity, scale, q2k,
+                                          q2k_count, raster)
+        if not gated:
             dgate = None
         return dq, dk, dv, dgate, None, None, None, None, None, None, None, None, None
 
@@ -99,7 +92,8 @@ def video_sparse_attention(q, k, v, grid, *, gate=None, top_k=None, sparsity=0.9
 
     keep_tiled (raster order): the backward reads the tiled copies of q, k, v and gate the forward made (fastest);
     False keeps the caller's tensors instead and tiles them again in the backward: less memory held between the
-    passes (the tiles' padding: 22% at Wan 2.1's 21×30×52), four more layout passes."""
+    passes (the tiles' padding: 22% at Wan 2.1's 21×30×52), four more layout passes. In raster order o and the
+    gradients come out of the kernels in raster order, with no untile pass."""
     grid = check_grid(grid)
     if order not in ("raster", "tiled"):
         raise ValueError(f"vsa: order: must be 'raster' or 'tiled', got {order!r}")

@@ -48,8 +48,7 @@ struct backward_params {
 // valid rows, zero in padding rows.
 template <class E, int D, class M, class Sched>
 __device__ __forceinline__ void store_band(const typename M::out_tile& acc, float scale, int row0, int valid,
-                                           const operand& out, uint16_t* out_tile, float* out_f32, const float* fold,
-                                           int64_t fold_row) {
+                                           const out_rows& out, float* out_f32, const float* fold, int64_t fold_row) {
   const float fold_scale = valid > 0 ? 1.f / valid : 0.f;
   // The coarse gradient's row, all of it read before the first store: read in the loop, each load would wait
   // for the store before it (nothing tells the compiler that the pointers differ), one dependent load a pair
@@ -63,7 +62,7 @@ __device__ __forceinline__ void store_band(const typename M::out_tile& acc, floa
 #pragma unroll
   for (int e = 0; e < M::out_elems; e += 2) {
     const int row = row0 + M::elem_row(e), col = M::elem_col(e);
-    if (!Sched::has_padding_rows && row >= valid) continue;
+    if ((!Sched::has_padding_rows && row >= valid) || out.skips(row, valid)) continue;
     float x0 = 0.f, x1 = 0.f;
     if (row < valid) {
       x0 = acc.x[e] * scale;
@@ -77,7 +76,7 @@ __device__ __forceinline__ void store_band(const typename M::out_tile& acc, floa
       out_f32[row * D + col] = x0;
       out_f32[row * D + col + 1] = x1;
     } else {
-      *reinterpret_cast<uint32_t*>(out_tile + row * out.token + col) = E::pack(x0, x1);
+      *reinterpret_cast<uint32_t*>(out.row(row) + col) = E::pack(x0, x1);
     }
   }
 }
@@ -219,7 +218,7 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), backward_min_bl
   }
 
   float* f32 = p.dq_f32 != nullptr ? p.dq_f32 + (bh * rows_total + i * 64) * D : nullptr;
-  store_band<E, D, M, Sched>(dq, p.scale, row0, q_valid, p.dq, p.dq.tile(b, h, i), f32, p.fold_q, bh * s.tiles + i);
+  store_band<E, D, M, Sched>(dq, p.scale, row0, q_valid, rows_of(p.dq, s, b, h, i), f32, p.fold_q, bh * s.tiles + i);
 }
 
 // The portable dk/dv (hopper/dkdv.hpp replaces it for Hopper's sparse pass at D = 128). Its steps stay 64 wide:
@@ -374,8 +373,8 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), backward_min_bl
   const int64_t bhk = b * p.kv_heads + hk;
   float* kf = p.dk_f32 != nullptr ? p.dk_f32 + (bhk * rows_total + j * 64) * D : nullptr;
   float* vf = p.dv_f32 != nullptr ? p.dv_f32 + (bhk * rows_total + j * 64) * D : nullptr;
-  store_band<E, D, M, Sched>(dk, p.scale, row0, kv, p.dk, p.dk.tile(b, hk, j), kf, p.fold_k, bhk * s.tiles + j);
-  store_band<E, D, M, Sched>(dv, 1.f, row0, kv, p.dv, p.dv.tile(b, hk, j), vf, p.fold_v, bhk * s.tiles + j);
+  store_band<E, D, M, Sched>(dk, p.scale, row0, kv, rows_of(p.dk, s, b, hk, j), kf, p.fold_k, bhk * s.tiles + j);
+  store_band<E, D, M, Sched>(dv, 1.f, row0, kv, rows_of(p.dv, s, b, hk, j), vf, p.fold_v, bhk * s.tiles + j);
 }
 
 // delta[bh, row] = Σ_d dO · (o − g ⊙ o_c[tile]) over a row, fp32 accumulation. o_c and the gate are
@@ -406,6 +405,8 @@ template <class E, int D, class Sched> __global__ void __launch_bounds__(256)
   const int tid = static_cast<int>(threadIdx.x) % 256, col = (tid % lanes) * 8, sub = tid / lanes;
   const int valid = s.valid(tile);
   const bool coarse = p.o_c != nullptr, gated = coarse && p.gate.data != nullptr;
+  // o may be in raster order (the whole op's output_order); d_o and the gate are tiled.
+  const out_rows o_rows = rows_of(p.o, s, b, h, tile);
   const auto load8 = [&](const operand& t, int r) {
     return *reinterpret_cast<const uint4*>(t.data + b * t.batch + h * t.head + (tile * 64 + r) * t.token + col);
   };
@@ -419,7 +420,7 @@ template <class E, int D, class Sched> __global__ void __launch_bounds__(256)
   for (int k = 0; k < passes; ++k) {
     const int r = sub + k * rows_per_pass;
     const bool live = r < valid;
-    ov[k] = live ? load8(p.o, r) : zero;
+    ov[k] = live ? *reinterpret_cast<const uint4*>(o_rows.row(r) + col) : zero;
     dv[k] = live ? load8(p.d_o, r) : zero;
     gv[k] = live && gated ? load8(p.gate, r) : zero;
     rv[k] = live && restore ? *reinterpret_cast<const uint2*>(residual + r * D) : make_uint2(0u, 0u);

@@ -279,13 +279,13 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
     if ((Sched::has_padding_rows || row < q_valid) && M::row_leader())
       p.lse[bh * rows_total + i * 64 + row] = live ? (m[r] + log2f(total)) * ln_2 : inf;
   }
-  uint16_t* out = p.o.tile(b, h, i);
+  const out_rows out = rows_of(p.o, s, b, h, i);
   const uint16_t* oc = p.o_c != nullptr ? p.o_c + (bh * s.tiles + i) * D : nullptr;
   const uint16_t* gate = p.gate.data != nullptr ? p.gate.tile(b, h, i) : nullptr;
 #pragma unroll
   for (int e = 0; e < M::out_elems; e += 2) {
     const int row = row0 + M::elem_row(e), col = M::elem_col(e);
-    if (!Sched::has_padding_rows && row >= q_valid) continue;
+    if ((!Sched::has_padding_rows && row >= q_valid) || out.skips(row, q_valid)) continue;
     const float sc = inv[M::elem_slot(e)];
     float x0 = o.x[e] * sc, x1 = o.x[e + 1] * sc;
     if (oc != nullptr && row < q_valid) {
@@ -295,7 +295,7 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
       x1 += g1 * E::to_float(oc[col + 1]);
     }
     const uint32_t packed = E::pack(x0, x1);
-    *reinterpret_cast<uint32_t*>(out + row * p.o.token + col) = packed;
+    *reinterpret_cast<uint32_t*>(out.row(row) + col) = packed;
     if (p.o_residual != nullptr) {
       const int8_t r0 = residual_encode(x0, E::to_float(static_cast<uint16_t>(packed & 0xffffu)), E::type);
       const int8_t r1 = residual_encode(x1, E::to_float(static_cast<uint16_t>(packed >> 16)), E::type);

@@ -16,10 +16,13 @@ namespace vsa {
 namespace gpu {
 namespace detail {
 
-// A [B, S, H, D] operand as the kernels address it (element strides, head dim contiguous).
+// A [B, S, H, D] operand as the kernels address it (element strides, head dim contiguous). raster: its tokens
+// are in raster order (the whole op's outputs under options::output_order), which only the sparse schedule's
+// stores and the delta kernel's reads of o take (out_rows); tile() is a tiled operand's.
 struct operand {
   uint16_t* data;
   int64_t batch, token, head;
+  bool raster = false;
   __device__ __forceinline__ uint16_t* tile(int64_t b, int64_t h, int64_t tile_index) const {
     return data + b * batch + h * head + tile_index * 64 * token;
   }
@@ -108,6 +111,28 @@ template <bool Narrow, class F> __device__ __forceinline__ void with_step_width(
   } else {
     f(step_width<tile_rows>{});
   }
+}
+
+// The rows of one tile of an operand, as an epilogue stores them: row r of tile i at slot i·64 + r in tiled
+// order; in raster order at the token the slot holds (raster_rows), and padding rows (r at or past the tile's
+// valid count) have no place: the caller skips them (skips()). Only the sparse schedule's tiles are video tiles;
+// the dense schedule's operands are never raster.
+struct out_rows {
+  uint16_t* base; // the tile's first slot, or the head's first token in raster order
+  int64_t token;
+  raster_rows map;
+  bool raster;
+
+  __device__ __forceinline__ uint16_t* row(int r) const { return base + (raster ? map.token(r) : r) * token; }
+  // Whether row r, valid or not, is left unstored.
+  __device__ __forceinline__ bool skips(int r, int valid) const { return raster && r >= valid; }
+};
+template <class Sched>
+__device__ __forceinline__ out_rows rows_of(const operand& t, const Sched& s, int64_t b, int64_t h, int64_t i) {
+  if constexpr (Sched::has_padding_rows) { // the sparse schedule: video tiles
+    if (t.raster) return {t.data + b * t.batch + h * t.head, t.token, s.geo.raster_rows_of(i), true};
+  }
+  return {t.tile(b, h, i), t.token, raster_rows{}, false};
 }
 
 struct dense_schedule {

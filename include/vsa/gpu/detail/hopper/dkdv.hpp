@@ -226,10 +226,10 @@ template <class E, int D, class T = dkdv_tuning> __global__ void __launch_bounds
 
   const int64_t bhk = b * p.kv_heads + hk;
   if (wg == 0)
-    store_band<E, D, M, sparse_schedule>(acc, 1.f, row0, kv, p.dv, p.dv.tile(b, hk, j), nullptr, p.fold_v,
+    store_band<E, D, M, sparse_schedule>(acc, 1.f, row0, kv, rows_of(p.dv, s, b, hk, j), nullptr, p.fold_v,
                                          bhk * s.tiles + j);
   else
-    store_band<E, D, M, sparse_schedule>(acc, p.scale, row0, kv, p.dk, p.dk.tile(b, hk, j), nullptr, p.fold_k,
+    store_band<E, D, M, sparse_schedule>(acc, p.scale, row0, kv, rows_of(p.dk, s, b, hk, j), nullptr, p.fold_k,
                                          bhk * s.tiles + j);
 #else
   (void)p, (void)s;
