@@ -220,7 +220,7 @@ inline status forward_planned(const problem& p, const options& opt, const op_wor
   // rounding residual, which the backward reads.
   gpu::detail::forward_params fp =
       detail::sparse_forward_params(p, scale, io.q, io.k, io.v, io.o, w.at<float>(state, w.lse));
-  fp.o.raster = opt.output_order == token_order::raster;
+  fp.raster_out = opt.output_order == token_order::raster;
   fp.o_residual = w.at<int8_t>(state, w.o_residual);
   fp.o_c = w.coarse ? w.at<const uint16_t>(state, w.o_c) : nullptr;
   fp.gate = gpu::detail::make_operand(io.gate);
@@ -328,16 +328,16 @@ inline status backward_planned(const problem& p, const options& opt, const op_wo
   gpu::detail::backward_params bp = detail::sparse_backward_params(p, scale, io.q, io.k, io.v, io.d_o, io.dq, io.dk,
                                                                    io.dv, w.at<const float>(state, w.lse));
   const bool raster = opt.output_order == token_order::raster;
-  bp.dq.raster = bp.dk.raster = bp.dv.raster = raster;
+  bp.raster_out = raster;
   if (w.coarse) {
     bp.fold_q = w.at<const float>(scratch, w.dq_c);
     bp.fold_k = w.at<const float>(scratch, w.dk_c);
     bp.fold_v = w.at<const float>(scratch, w.dv_c);
   }
   // Its row terms are those of o_s = o − g ⊙ o_c, o as the forward computed it (o + its residual).
-  gpu::detail::operand o = gpu::detail::make_operand(io.o);
-  o.raster = raster;
-  gpu::detail::delta_params dp = detail::delta_base(p, o, gpu::detail::make_operand(io.d_o), qs);
+  gpu::detail::delta_params dp =
+      detail::delta_base(p, gpu::detail::make_operand(io.o), gpu::detail::make_operand(io.d_o), qs);
+  dp.o_raster = raster;
   dp.gate = gpu::detail::make_operand(io.gate);
   dp.o_c = o_c;
   dp.o_residual = w.at<const int8_t>(state, w.o_residual);

@@ -41,14 +41,15 @@ struct backward_params {
   // Hopper's sparse pass: the tiles each step loads (K and V for dq, Q and dO for dk/dv) through the copy
   // engine when the host could encode their maps (tma = 1; hopper/feeds.hpp); otherwise copy_tile.
   int tma;
+  bool raster_out; // dq, dk and dv in raster order (the whole op's output_order); in the padding before the maps
   tma_map k_map, v_map, q_map, do_map;
 };
 
 // Writes a 16 × D band of an fp32 accumulator: scaled, plus the coarse gradient spread over the tile's
 // valid rows, zero in padding rows.
-template <class E, int D, class M, class Sched>
+template <class E, int D, class M, class Sched, class Rows>
 __device__ __forceinline__ void store_band(const typename M::out_tile& acc, float scale, int row0, int valid,
-                                           const out_rows& out, float* out_f32, const float* fold, int64_t fold_row) {
+                                           const Rows& out, float* out_f32, const float* fold, int64_t fold_row) {
   const float fold_scale = valid > 0 ? 1.f / valid : 0.f;
   // The coarse gradient's row, all of it read before the first store: read in the loop, each load would wait
   // for the store before it (nothing tells the compiler that the pointers differ), one dependent load a pair
@@ -76,14 +77,15 @@ __device__ __forceinline__ void store_band(const typename M::out_tile& acc, floa
       out_f32[row * D + col] = x0;
       out_f32[row * D + col + 1] = x1;
     } else {
-      *reinterpret_cast<uint32_t*>(out.row(row) + col) = E::pack(x0, x1);
+      *reinterpret_cast<uint32_t*>(out.row(row, M::elem_slot(e)) + col) = E::pack(x0, x1);
     }
   }
 }
 
 // Narrow, as for the forward: steps over partial key tiles cover their valid rows only (with_step_width).
-// MinBlocks: blocks an SM to cap the registers for, 0 for no cap (backward_min_blocks).
-template <class E, int D, class Sched, bool Narrow = false, int MinBlocks = 0>
+// MinBlocks: blocks an SM to cap the registers for, 0 for no cap (backward_min_blocks). RasterOut: p.raster_out as
+// a template parameter, as in the forward.
+template <class E, int D, class Sched, bool Narrow = false, int MinBlocks = 0, bool RasterOut = false>
 __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), backward_min_blocks(MinBlocks))
     attention_dq_kernel(const VSA_GRID_CONSTANT backward_params p, Sched s) {
   using M = attention_mma<E, D>;
@@ -218,7 +220,9 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), backward_min_bl
   }
 
   float* f32 = p.dq_f32 != nullptr ? p.dq_f32 + (bh * rows_total + i * 64) * D : nullptr;
-  store_band<E, D, M, Sched>(dq, p.scale, row0, q_valid, rows_of(p.dq, s, b, h, i), f32, p.fold_q, bh * s.tiles + i);
+  with_out_rows<RasterOut, M>(p.dq, s, b, h, i, row0, q_valid, [&](const auto& rows) {
+    store_band<E, D, M, Sched>(dq, p.scale, row0, q_valid, rows, f32, p.fold_q, bh * s.tiles + i);
+  });
 }
 
 // The portable dk/dv (hopper/dkdv.hpp replaces it for Hopper's sparse pass at D = 128). Its steps stay 64 wide:
@@ -373,8 +377,12 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), backward_min_bl
   const int64_t bhk = b * p.kv_heads + hk;
   float* kf = p.dk_f32 != nullptr ? p.dk_f32 + (bhk * rows_total + j * 64) * D : nullptr;
   float* vf = p.dv_f32 != nullptr ? p.dv_f32 + (bhk * rows_total + j * 64) * D : nullptr;
-  store_band<E, D, M, Sched>(dk, p.scale, row0, kv, rows_of(p.dk, s, b, hk, j), kf, p.fold_k, bhk * s.tiles + j);
-  store_band<E, D, M, Sched>(dv, 1.f, row0, kv, rows_of(p.dv, s, b, hk, j), vf, p.fold_v, bhk * s.tiles + j);
+  with_out_rows<M>(p.dk, p.raster_out, s, b, hk, j, row0, kv, [&](const auto& rows) {
+    store_band<E, D, M, Sched>(dk, p.scale, row0, kv, rows, kf, p.fold_k, bhk * s.tiles + j);
+  });
+  with_out_rows<M>(p.dv, p.raster_out, s, b, hk, j, row0, kv, [&](const auto& rows) {
+    store_band<E, D, M, Sched>(dv, 1.f, row0, kv, rows, vf, p.fold_v, bhk * s.tiles + j);
+  });
 }
 
 // delta[bh, row] = Σ_d dO · (o − g ⊙ o_c[tile]) over a row, fp32 accumulation. o_c and the gate are
@@ -390,6 +398,7 @@ struct delta_params {
   const int8_t* o_residual; // optional [B·Hq, rows_total, D] (forward_params::o_residual)
   float* delta;             // [B·Hq, rows_total]
   int64_t q_heads, rows_total, tiles;
+  bool o_raster; // o in raster order (the whole op's output_order)
 };
 
 template <int D> inline constexpr int delta_lanes = D / 8; // threads a row: 8 columns (16 bytes) each
@@ -405,8 +414,6 @@ template <class E, int D, class Sched> __global__ void __launch_bounds__(256)
   const int tid = static_cast<int>(threadIdx.x) % 256, col = (tid % lanes) * 8, sub = tid / lanes;
   const int valid = s.valid(tile);
   const bool coarse = p.o_c != nullptr, gated = coarse && p.gate.data != nullptr;
-  // o may be in raster order (the whole op's output_order); d_o and the gate are tiled.
-  const out_rows o_rows = rows_of(p.o, s, b, h, tile);
   const auto load8 = [&](const operand& t, int r) {
     return *reinterpret_cast<const uint4*>(t.data + b * t.batch + h * t.head + (tile * 64 + r) * t.token + col);
   };
@@ -414,42 +421,55 @@ template <class E, int D, class Sched> __global__ void __launch_bounds__(256)
   const uint4 cv = coarse ? *reinterpret_cast<const uint4*>(p.o_c + (bh * p.tiles + tile) * D + col) : zero;
   const bool restore = p.o_residual != nullptr;
   const int8_t* residual = restore ? p.o_residual + (bh * s.rows_total() + tile * 64) * D + col : nullptr;
-  uint4 ov[passes], dv[passes], gv[passes];
-  uint2 rv[passes];
+  // o may be in raster order (the whole op's output_order; its rows found as with_out_rows does); d_o and the
+  // gate are tiled.
+  const auto rows = [&](const auto& o_row) {
+    uint4 ov[passes], dv[passes], gv[passes];
+    uint2 rv[passes];
 #pragma unroll
-  for (int k = 0; k < passes; ++k) {
-    const int r = sub + k * rows_per_pass;
-    const bool live = r < valid;
-    ov[k] = live ? *reinterpret_cast<const uint4*>(o_rows.row(r) + col) : zero;
-    dv[k] = live ? load8(p.d_o, r) : zero;
-    gv[k] = live && gated ? load8(p.gate, r) : zero;
-    rv[k] = live && restore ? *reinterpret_cast<const uint2*>(residual + r * D) : make_uint2(0u, 0u);
-  }
-  // Element c of a loaded vector is taken out of its 32-bit word by a shift, not read through a 16-bit
-  // pointer: a pointer into the vectors makes them addressable, and the AMD compiler then keeps them in LDS
-  // instead of registers (bench/NOTES-amd.md).
-  const auto elem = [](const uint4& v, int c) {
-    const uint32_t w = c < 2 ? v.x : c < 4 ? v.y : c < 6 ? v.z : v.w;
-    return static_cast<uint16_t>(c % 2 == 0 ? w & 0xffffu : w >> 16);
-  };
-#pragma unroll
-  for (int k = 0; k < passes; ++k) {
-    float acc = 0.f;
-#pragma unroll
-    for (int c = 0; c < 8; ++c) {
-      float x = E::to_float(elem(ov[k], c));
-      if (restore) {
-        const uint32_t w = c < 4 ? rv[k].x : rv[k].y;
-        x = residual_decode(static_cast<int8_t>((w >> (8 * (c % 4))) & 0xffu), x, E::type);
-      }
-      if (coarse) x -= (gated ? E::to_float(elem(gv[k], c)) : 1.f) * E::to_float(elem(cv, c));
-      acc += E::to_float(elem(dv[k], c)) * x;
+    for (int k = 0; k < passes; ++k) {
+      const int r = sub + k * rows_per_pass;
+      const bool live = r < valid;
+      ov[k] = live ? *reinterpret_cast<const uint4*>(o_row(r) + col) : zero;
+      dv[k] = live ? load8(p.d_o, r) : zero;
+      gv[k] = live && gated ? load8(p.gate, r) : zero;
+      rv[k] = live && restore ? *reinterpret_cast<const uint2*>(residual + r * D) : make_uint2(0u, 0u);
     }
+    // Element c of a loaded vector is taken out of its 32-bit word by a shift, not read through a 16-bit
+    // pointer: a pointer into the vectors makes them addressable, and the AMD compiler then keeps them in LDS
+    // instead of registers (bench/NOTES-amd.md).
+    const auto elem = [](const uint4& v, int c) {
+      const uint32_t w = c < 2 ? v.x : c < 4 ? v.y : c < 6 ? v.z : v.w;
+      return static_cast<uint16_t>(c % 2 == 0 ? w & 0xffffu : w >> 16);
+    };
 #pragma unroll
-    for (int m = lanes / 2; m > 0; m /= 2) acc += shfl_xor(acc, m);
-    const int64_t row = tile * 64 + sub + k * rows_per_pass;
-    if (row < s.rows_total() && col == 0) p.delta[bh * s.rows_total() + row] = acc;
+    for (int k = 0; k < passes; ++k) {
+      float acc = 0.f;
+#pragma unroll
+      for (int c = 0; c < 8; ++c) {
+        float x = E::to_float(elem(ov[k], c));
+        if (restore) {
+          const uint32_t w = c < 4 ? rv[k].x : rv[k].y;
+          x = residual_decode(static_cast<int8_t>((w >> (8 * (c % 4))) & 0xffu), x, E::type);
+        }
+        if (coarse) x -= (gated ? E::to_float(elem(gv[k], c)) : 1.f) * E::to_float(elem(cv, c));
+        acc += E::to_float(elem(dv[k], c)) * x;
+      }
+#pragma unroll
+      for (int m = lanes / 2; m > 0; m /= 2) acc += shfl_xor(acc, m);
+      const int64_t row = tile * 64 + sub + k * rows_per_pass;
+      if (row < s.rows_total() && col == 0) p.delta[bh * s.rows_total() + row] = acc;
+    }
+  };
+  const uint16_t* const head = p.o.data + b * p.o.batch + h * p.o.head;
+  if constexpr (Sched::has_padding_rows) { // the sparse schedule: video tiles
+    if (p.o_raster) {
+      const raster_rows map = s.geo.raster_rows_of(tile);
+      rows([&](int r) { return head + map.token(r) * p.o.token; });
+      return;
+    }
   }
+  rows([&](int r) { return head + (tile * 64 + r) * p.o.token; });
 }
 
 // Longest-first launch order of the dk/dv blocks within each (batch, kv head). The selection from data is

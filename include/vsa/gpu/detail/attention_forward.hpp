@@ -33,13 +33,14 @@ struct forward_params {
   // Hopper's sparse pass: K and V tiles through the copy engine (hopper/feeds.hpp) when the host could encode
   // their maps (tma = 1); otherwise, and everywhere else, copy_tile.
   int tma;
+  bool raster_out; // o in raster order (the whole op's output_order); in the padding before the maps
   tma_map k_map, v_map;
 };
 
 // Narrow: steps over partial key tiles cover their valid rows only (with_step_width); the host sets it where the
 // grid has tiles of 32 valid tokens or fewer (has_narrow_tiles, attention_schedule.hpp), so that a grid without
-// them runs the loop of one width.
-template <class E, int D, class Sched, bool Narrow = false>
+// them runs the loop of one width. RasterOut: p.raster_out as a template parameter (with_out_rows says why).
+template <class E, int D, class Sched, bool Narrow = false, bool RasterOut = false>
 __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blocks(hopper_code, Sched::few_blocks))
     attention_forward_kernel(const VSA_GRID_CONSTANT forward_params p, Sched s) {
   using M = attention_mma<E, D>;
@@ -279,30 +280,31 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
     if ((Sched::has_padding_rows || row < q_valid) && M::row_leader())
       p.lse[bh * rows_total + i * 64 + row] = live ? (m[r] + log2f(total)) * ln_2 : inf;
   }
-  const out_rows out = rows_of(p.o, s, b, h, i);
   const uint16_t* oc = p.o_c != nullptr ? p.o_c + (bh * s.tiles + i) * D : nullptr;
   const uint16_t* gate = p.gate.data != nullptr ? p.gate.tile(b, h, i) : nullptr;
+  with_out_rows<RasterOut, M>(p.o, s, b, h, i, row0, q_valid, [&](const auto& out) {
 #pragma unroll
-  for (int e = 0; e < M::out_elems; e += 2) {
-    const int row = row0 + M::elem_row(e), col = M::elem_col(e);
-    if ((!Sched::has_padding_rows && row >= q_valid) || out.skips(row, q_valid)) continue;
-    const float sc = inv[M::elem_slot(e)];
-    float x0 = o.x[e] * sc, x1 = o.x[e + 1] * sc;
-    if (oc != nullptr && row < q_valid) {
-      const float g0 = gate ? E::to_float(gate[row * p.gate.token + col]) : 1.f;
-      const float g1 = gate ? E::to_float(gate[row * p.gate.token + col + 1]) : 1.f;
-      x0 += g0 * E::to_float(oc[col]);
-      x1 += g1 * E::to_float(oc[col + 1]);
+    for (int e = 0; e < M::out_elems; e += 2) {
+      const int row = row0 + M::elem_row(e), col = M::elem_col(e);
+      if ((!Sched::has_padding_rows && row >= q_valid) || out.skips(row, q_valid)) continue;
+      const float sc = inv[M::elem_slot(e)];
+      float x0 = o.x[e] * sc, x1 = o.x[e + 1] * sc;
+      if (oc != nullptr && row < q_valid) {
+        const float g0 = gate ? E::to_float(gate[row * p.gate.token + col]) : 1.f;
+        const float g1 = gate ? E::to_float(gate[row * p.gate.token + col + 1]) : 1.f;
+        x0 += g0 * E::to_float(oc[col]);
+        x1 += g1 * E::to_float(oc[col + 1]);
+      }
+      const uint32_t packed = E::pack(x0, x1);
+      *reinterpret_cast<uint32_t*>(out.row(row, M::elem_slot(e)) + col) = packed;
+      if (p.o_residual != nullptr) {
+        const int8_t r0 = residual_encode(x0, E::to_float(static_cast<uint16_t>(packed & 0xffffu)), E::type);
+        const int8_t r1 = residual_encode(x1, E::to_float(static_cast<uint16_t>(packed >> 16)), E::type);
+        *reinterpret_cast<uint16_t*>(p.o_residual + (bh * rows_total + i * 64 + row) * D + col) =
+            static_cast<uint16_t>(static_cast<uint8_t>(r0) | (static_cast<uint8_t>(r1) << 8));
+      }
     }
-    const uint32_t packed = E::pack(x0, x1);
-    *reinterpret_cast<uint32_t*>(out.row(row) + col) = packed;
-    if (p.o_residual != nullptr) {
-      const int8_t r0 = residual_encode(x0, E::to_float(static_cast<uint16_t>(packed & 0xffffu)), E::type);
-      const int8_t r1 = residual_encode(x1, E::to_float(static_cast<uint16_t>(packed >> 16)), E::type);
-      *reinterpret_cast<uint16_t*>(p.o_residual + (bh * rows_total + i * 64 + row) * D + col) =
-          static_cast<uint16_t>(static_cast<uint8_t>(r0) | (static_cast<uint8_t>(r1) << 8));
-    }
-  }
+  });
 }
 
 } // namespace detail

@@ -41,11 +41,25 @@ template <class Sched, class F> auto narrow_or_not(const Sched& s, F&& kernel_of
   return kernel_of(std::false_type{});
 }
 
+// kernel_of(std::bool_constant<Raster>) for outputs in raster order (raster_out) where the kernel takes
+// the order as a template parameter (the forward and dq: with_out_rows says why); only the sparse schedule
+// instantiates the raster kernels.
+template <class Sched, class F> auto raster_or_not(bool raster, F&& kernel_of) {
+  if constexpr (!Sched::few_blocks) {
+    if (raster) return kernel_of(std::true_type{});
+  }
+  (void)raster;
+  return kernel_of(std::false_type{});
+}
+
 template <class E, int D, class Sched>
 status launch_forward(const forward_params& fp, const Sched& s, int64_t batch, int64_t heads, stream_t stream) {
   using M = warp_mma<E, D>;
-  const auto kernel =
-      narrow_or_not(s, [](auto narrow) { return attention_forward_kernel<E, D, Sched, decltype(narrow)::value>; });
+  const auto kernel = narrow_or_not(s, [&](auto narrow) {
+    return raster_or_not<Sched>(fp.raster_out, [](auto raster) {
+      return attention_forward_kernel<E, D, Sched, decltype(narrow)::value, decltype(raster)::value>;
+    });
+  });
   bool hopper = false;
   status st = runs_as_hopper(kernel, hopper);
   if (!st) return st;
@@ -86,8 +100,11 @@ inline status launch_order(const order_params& op, stream_t stream) {
 template <class E, int D, class Sched> status launch_backward(const backward_params& bp, const Sched& q_sched,
                                                               const Sched& k_sched, int64_t batch, stream_t stream) {
   using M = warp_mma<E, D>;
-  const auto dq =
-      narrow_or_not(q_sched, [](auto narrow) { return attention_dq_kernel<E, D, Sched, decltype(narrow)::value>; });
+  const auto dq = narrow_or_not(q_sched, [&](auto narrow) {
+    return raster_or_not<Sched>(bp.raster_out, [](auto raster) {
+      return attention_dq_kernel<E, D, Sched, decltype(narrow)::value, 0, decltype(raster)::value>;
+    });
+  });
   const auto dkdv = attention_dkdv_kernel<E, D, Sched>;
   bool hopper = false;
   status st = runs_as_hopper(dq, hopper);

@@ -16,13 +16,10 @@ namespace vsa {
 namespace gpu {
 namespace detail {
 
-// A [B, S, H, D] operand as the kernels address it (element strides, head dim contiguous). raster: its tokens
-// are in raster order (the whole op's outputs under options::output_order), which only the sparse schedule's
-// stores and the delta kernel's reads of o take (out_rows); tile() is a tiled operand's.
+// A [B, S, H, D] operand as the kernels address it (element strides, head dim contiguous).
 struct operand {
   uint16_t* data;
   int64_t batch, token, head;
-  bool raster = false;
   __device__ __forceinline__ uint16_t* tile(int64_t b, int64_t h, int64_t tile_index) const {
     return data + b * batch + h * head + tile_index * 64 * token;
   }
@@ -113,26 +110,54 @@ template <bool Narrow, class F> __device__ __forceinline__ void with_step_width(
   }
 }
 
-// The rows of one tile of an operand, as an epilogue stores them: row r of tile i at slot i·64 + r in tiled
-// order; in raster order at the token the slot holds (raster_rows), and padding rows (r at or past the tile's
-// valid count) have no place: the caller skips them (skips()). Only the sparse schedule's tiles are video tiles;
-// the dense schedule's operands are never raster.
-struct out_rows {
-  uint16_t* base; // the tile's first slot, or the head's first token in raster order
+// Where the rows of one tile of an output go, as an epilogue stores them (row(r, slot): row r, the lane's row
+// `slot` of the matrix layout M): tiled_rows, at slot i·64 + r of the tile (padding rows too); raster_out_rows,
+// at the token the slot holds (raster_rows; the whole op's output_order), padding rows nowhere (skips()); the
+// raster form finds the addresses of the lane's rows before the epilogue's loads. with_out_rows<Raster> runs the
+// epilogue on one of them; the run-time form takes the order as a flag and holds both epilogues. The forward and dq
+// kernels take Raster as a template parameter instead: both epilogues in one kernel cost them registers the tiled
+// kernel had not needed (dq at D = 64: 128 → 143-158, a block an SM fewer; the D = 128 forward 12-36 more bytes of
+// spills; and carried through one path, dq at D = 128 162 → 192, its third block an SM). dk/dv's kernels kept their
+// registers with both. Only the sparse schedule's tiles are video tiles; the dense schedule's are never raster.
+struct tiled_rows {
+  uint16_t* base; // the tile's first slot
   int64_t token;
-  raster_rows map;
-  bool raster;
-
-  __device__ __forceinline__ uint16_t* row(int r) const { return base + (raster ? map.token(r) : r) * token; }
-  // Whether row r, valid or not, is left unstored.
-  __device__ __forceinline__ bool skips(int r, int valid) const { return raster && r >= valid; }
+  __device__ __forceinline__ uint16_t* row(int r, int) const { return base + r * token; }
+  __device__ __forceinline__ static constexpr bool skips(int, int) { return false; }
 };
-template <class Sched>
-__device__ __forceinline__ out_rows rows_of(const operand& t, const Sched& s, int64_t b, int64_t h, int64_t i) {
-  if constexpr (Sched::has_padding_rows) { // the sparse schedule: video tiles
-    if (t.raster) return {t.data + b * t.batch + h * t.head, t.token, s.geo.raster_rows_of(i), true};
+template <int R> struct raster_out_rows {
+  uint16_t* at[R]; // the lane's rows; null for padding rows
+  __device__ __forceinline__ uint16_t* row(int, int slot) const { return at[slot]; }
+  __device__ __forceinline__ static bool skips(int r, int valid) { return r >= valid; }
+};
+template <bool Raster, class M, class Sched, class F> __device__ __forceinline__ void
+with_out_rows(const operand& t, const Sched& s, int64_t b, int64_t h, int64_t i, int row0, int valid, F&& f) {
+  if constexpr (Raster) {
+    static_assert(Sched::has_padding_rows, "only the sparse schedule's tiles are video tiles");
+    const raster_rows map = s.geo.raster_rows_of(i);
+    uint16_t* const head = t.data + b * t.batch + h * t.head;
+    raster_out_rows<M::rows_per_lane> rows;
+#pragma unroll
+    for (int slot = 0; slot < M::rows_per_lane; ++slot) {
+      const int r = row0 + M::slot_row(slot);
+      rows.at[slot] = r < valid ? head + map.token(r) * t.token : nullptr;
+    }
+    f(rows);
+  } else {
+    (void)s, (void)row0, (void)valid;
+    f(tiled_rows{t.tile(b, h, i), t.token});
   }
-  return {t.tile(b, h, i), t.token, raster_rows{}, false};
+}
+template <class M, class Sched, class F>
+__device__ __forceinline__ void with_out_rows(const operand& t, bool raster, const Sched& s, int64_t b, int64_t h,
+                                              int64_t i, int row0, int valid, F&& f) {
+  if constexpr (Sched::has_padding_rows) { // the sparse schedule: video tiles
+    if (raster) {
+      with_out_rows<true, M>(t, s, b, h, i, row0, valid, f);
+      return;
+    }
+  }
+  with_out_rows<false, M>(t, s, b, h, i, row0, valid, f);
 }
 
 struct dense_schedule {

@@ -226,11 +226,13 @@ template <class E, int D, class T = dkdv_tuning> __global__ void __launch_bounds
 
   const int64_t bhk = b * p.kv_heads + hk;
   if (wg == 0)
-    store_band<E, D, M, sparse_schedule>(acc, 1.f, row0, kv, rows_of(p.dv, s, b, hk, j), nullptr, p.fold_v,
-                                         bhk * s.tiles + j);
+    with_out_rows<M>(p.dv, p.raster_out, s, b, hk, j, row0, kv, [&](const auto& rows) {
+      store_band<E, D, M, sparse_schedule>(acc, 1.f, row0, kv, rows, nullptr, p.fold_v, bhk * s.tiles + j);
+    });
   else
-    store_band<E, D, M, sparse_schedule>(acc, p.scale, row0, kv, rows_of(p.dk, s, b, hk, j), nullptr, p.fold_k,
-                                         bhk * s.tiles + j);
+    with_out_rows<M>(p.dk, p.raster_out, s, b, hk, j, row0, kv, [&](const auto& rows) {
+      store_band<E, D, M, sparse_schedule>(acc, p.scale, row0, kv, rows, nullptr, p.fold_k, bhk * s.tiles + j);
+    });
 #else
   (void)p, (void)s;
   device_trap(); // never launched: its launcher keys on the Hopper body's static shared memory
