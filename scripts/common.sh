@@ -29,6 +29,21 @@ vsa_usage_on_help() {
   exit 0
 }
 
+# vsa_quietly <command...>: runs the command with its output kept in a log, printed only when it fails; with
+# VSA_VERBOSE=1 the output goes through as it comes. For the tools whose chatter says nothing on success (apt-get).
+vsa_quietly() {
+  if [ "${VSA_VERBOSE:-0}" = 1 ]; then
+    "$@"
+    return
+  fi
+  local log rc=0
+  log="$(mktemp)"
+  "$@" >"$log" 2>&1 || rc=$?
+  [ $rc -eq 0 ] || cat "$log" >&2
+  rm -f "$log"
+  return $rc
+}
+
 # Installs the Debian packages among "$@" that are missing, when running as root with apt-get; otherwise (or when
 # apt-get fails) says which are missing and goes on, so that the build reports what it actually lacks.
 vsa_install_packages() {
@@ -41,8 +56,8 @@ vsa_install_packages() {
   if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
     vsa_say "installing missing packages: ${missing[*]}"
     # A machine without a package mirror goes on with what it has; the configure step names what is lacking.
-    if ! DEBIAN_FRONTEND=noninteractive apt-get update -q ||
-      ! DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}"; then
+    if ! vsa_quietly env DEBIAN_FRONTEND=noninteractive apt-get update -q ||
+      ! vsa_quietly env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}"; then
       vsa_say "warning: apt-get could not install ${missing[*]}; going on without them" >&2
     fi
   else
