@@ -423,7 +423,7 @@ template <class E, int D, class Sched> __global__ void __launch_bounds__(256)
   const int8_t* residual = restore ? p.o_residual + (bh * s.rows_total() + tile * 64) * D + col : nullptr;
   // o may be in raster order (the whole op's output_order; its rows found as with_out_rows does); d_o and the
   // gate are tiled.
-  const auto rows = [&](const auto& o_row) {
+  const auto row_terms = [&](const auto& o_row) {
     uint4 ov[passes], dv[passes], gv[passes];
     uint2 rv[passes];
 #pragma unroll
@@ -465,11 +465,11 @@ template <class E, int D, class Sched> __global__ void __launch_bounds__(256)
   if constexpr (Sched::has_padding_rows) { // the sparse schedule: video tiles
     if (p.o_raster) {
       const raster_rows map = s.geo.raster_rows_of(tile);
-      rows([&](int r) { return head + map.token(r) * p.o.token; });
+      row_terms([&](int r) { return head + map.token(r) * p.o.token; });
       return;
     }
   }
-  rows([&](int r) { return head + (tile * 64 + r) * p.o.token; });
+  row_terms([&](int r) { return head + (tile * 64 + r) * p.o.token; });
 }
 
 // Longest-first launch order of the dk/dv blocks within each (batch, kv head). The selection from data is
