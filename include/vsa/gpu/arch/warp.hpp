@@ -1,5 +1,5 @@
-// Device-side intrinsics under one set of names for both platforms: a trap, the warp's shuffles and reductions, the
-// dependent-launch controls and the special-function unit's exp2.
+// Device-side intrinsics under one set of names for both platforms: a trap, the warp's shuffles, barrier and
+// reductions, the dependent-launch controls and the special-function unit's exp2.
 #pragma once
 
 #include "../platform.hpp"
@@ -36,6 +36,17 @@ template <class T> __device__ __forceinline__ T shfl_up(T v, int delta) {
   return __shfl_up(v, delta);
 #else
   return __shfl_up_sync(0xffffffffu, v, delta);
+#endif
+}
+
+// The warp's lanes meet (__syncwarp): their shared-memory accesses before it are ordered before those after it.
+// A wavefront's lanes run in lockstep on AMD, where only the compiler is held to the order. A name of both
+// platforms, so that code only Hopper runs (if constexpr) still compiles everywhere.
+__device__ __forceinline__ void warp_sync() {
+#if VSA_PLATFORM_AMD
+  __builtin_amdgcn_wave_barrier();
+#else
+  __syncwarp();
 #endif
 }
 

@@ -34,10 +34,16 @@
 //   state_reduce.hpp       state_reduce_kernel
 //   apply.hpp              apply_kernel
 //   query_grad_common.hpp  what both bodies of the query gradient share
-//   query_grad_hopper.hpp  query_grad_tma, the Hopper body (VSA_WGMMA only)
 //   query_grad.hpp         query_grad_kernel
 //   grad_reduce.hpp        grad_reduce_kernel
+//   key_grad_common.hpp    what both loops of the key gradient share
 //   key_grad.hpp           key_grad_kernel
+// Their Hopper-only code (the copy engine, wgmma's asynchronous products) sits with the attention kernels' under
+// hopper/, each file included by the kernel that uses it; the kernels choose it by type or by if constexpr on
+// layer_tn, never by a preprocessor branch of their own:
+//   hopper/linear_copies.hpp      the copy-engine feeds of state_kernel and apply_kernel (copy_tile_feed elsewhere)
+//   hopper/linear_query_grad.hpp  query_grad_tma, query_grad_kernel's loop through the copy engine
+//   hopper/linear_key_grad.hpp    key_grad_tma, key_grad_kernel's loop through the copy engine
 #pragma once
 
 #include "linear/common.hpp"
@@ -46,7 +52,7 @@
 #include "linear/state_reduce.hpp"
 #include "linear/apply.hpp"
 #include "linear/query_grad_common.hpp"
-#include "linear/query_grad_hopper.hpp"
 #include "linear/query_grad.hpp"
 #include "linear/grad_reduce.hpp"
+#include "linear/key_grad_common.hpp"
 #include "linear/key_grad.hpp"

@@ -35,15 +35,21 @@ struct copy_tile_feed {
   template <class... A> __device__ __forceinline__ void wait(const A&...) const {}
   __device__ __forceinline__ copy_tile_feed k_stage0() const { return *this; }
   __device__ __forceinline__ copy_tile_feed v_stage0() const { return *this; }
+  // The calls of the linear kernels' feeds (linear_copies.hpp) beside load and wait: the type is the same on every
+  // instantiation, so even a call the kernel makes only on Hopper (if constexpr) must name a member here.
+  template <class... A> __device__ __forceinline__ void zero_rows(const A&...) const {}
+  template <class... A> __device__ __forceinline__ void store(const A&...) const {}
+  __device__ __forceinline__ static void wait_stores_read() {}
+  __device__ __forceinline__ static void wait_stores() {}
 };
 
 #if VSA_WGMMA
 namespace hopper {
 
-// K and V of key tile `tile` (tokens tile·64 ..) of kv head `head`, batch `batch`, through the maps p.k_map and
-// p.v_map. A loop of one stage waits through k_stage0() and v_stage0(); the overlapped forward (forward_overlap.hpp)
-// has two stages and keeps the barriers' phases itself.
-template <int D, int Bars, class Params> struct kv_engine_feed {
+// What a feed of one head's tiles holds: its Bars barriers (the kernel's), the params whose maps the copy engine
+// reads (by reference: it reads them from parameter space), the head and batch of the block's tiles, and whether
+// the host encoded the maps. kv_engine_feed below and the linear kernels' feeds (linear_copies.hpp) build on it.
+template <int Bars, class Params> struct head_engine_feed {
   using barriers = uint64_t[Bars];
   static constexpr bool copy_engine = true;
   uint64_t* ready;
@@ -52,19 +58,27 @@ template <int D, int Bars, class Params> struct kv_engine_feed {
   bool engine;
 
   // Every thread of the block; `on` as for tma::init_barriers.
-  __device__ __forceinline__ kv_engine_feed(barriers& bars, bool on, int tid, const Params& params, int64_t kv_head,
-                                            int64_t b)
-      : ready(bars), p(params), head(kv_head), batch(b), engine(on) {
+  __device__ __forceinline__ head_engine_feed(barriers& bars, bool on, int tid, const Params& params, int64_t h,
+                                              int64_t b)
+      : ready(bars), p(params), head(h), batch(b), engine(on) {
     tma::init_barriers(bars, Bars, on, tid);
   }
   __device__ __forceinline__ bool on() const { return engine; }
+};
+
+// K and V of key tile `tile` (tokens tile·64 ..) of kv head `head`, batch `batch`, through the maps p.k_map and
+// p.v_map. A loop of one stage waits through k_stage0() and v_stage0(); the overlapped forward (forward_overlap.hpp)
+// has two stages and keeps the barriers' phases itself.
+template <int D, int Bars, class Params> struct kv_engine_feed : head_engine_feed<Bars, Params> {
+  using base = head_engine_feed<Bars, Params>;
+  using base::base;
 
   // Thread 0: the tile into `t`, counted on the barrier of its kind in stage `stage`.
   __device__ __forceinline__ void load_k(smem_tile<D> t, int64_t tile, int stage = 0) const {
-    tma::load_tile<D>(t, &p.k_map, &ready[2 * stage], tile * 64, head, batch);
+    tma::load_tile<D>(t, &this->p.k_map, &this->ready[2 * stage], tile * 64, this->head, this->batch);
   }
   __device__ __forceinline__ void load_v(smem_tile<D> t, int64_t tile, int stage = 0) const {
-    tma::load_tile<D>(t, &p.v_map, &ready[2 * stage + 1], tile * 64, head, batch);
+    tma::load_tile<D>(t, &this->p.v_map, &this->ready[2 * stage + 1], tile * 64, this->head, this->batch);
   }
   __device__ __forceinline__ void load(smem_tile<D> kt, smem_tile<D> vt, int64_t tile, int stage = 0) const {
     load_k(kt, tile, stage);
@@ -74,13 +88,15 @@ template <int D, int Bars, class Params> struct kv_engine_feed {
   // Every thread, in a loop of one stage, where on(): waits for K or V of stage 0 through these (tma::tile_one::wait,
   // which zeroes a tile's padding rows where given its valid count), each keeping its barrier's phase from the first
   // on. Made where the loop begins.
-  __device__ __forceinline__ tma::tile_one k_stage0() const { return {&ready[0], 0u}; }
-  __device__ __forceinline__ tma::tile_one v_stage0() const { return {&ready[1], 0u}; }
+  __device__ __forceinline__ tma::tile_one k_stage0() const { return {&this->ready[0], 0u}; }
+  __device__ __forceinline__ tma::tile_one v_stage0() const { return {&this->ready[1], 0u}; }
   // Every thread, in the overlapped loop (which runs only where on()): waits for the phase of parity `phase` of K's
   // or V's barrier in stage `stage`. A tile whose padding rows a product would read as data then has them zeroed,
   // those at and past `valid` (tma::clear_rows: a box is a whole tile, padding slots included).
-  __device__ __forceinline__ void wait_k(int stage, uint32_t phase) const { tma::wait(&ready[2 * stage], phase); }
-  __device__ __forceinline__ void wait_v(int stage, uint32_t phase) const { tma::wait(&ready[2 * stage + 1], phase); }
+  __device__ __forceinline__ void wait_k(int stage, uint32_t phase) const { tma::wait(&this->ready[2 * stage], phase); }
+  __device__ __forceinline__ void wait_v(int stage, uint32_t phase) const {
+    tma::wait(&this->ready[2 * stage + 1], phase);
+  }
   __device__ __forceinline__ static void clear_rows(smem_tile<D> t, int valid, int tid, int nthreads) {
     tma::clear_rows<D>(t, valid, tid, nthreads);
   }

@@ -4,6 +4,7 @@
 
 #include "common.hpp"
 #include "features.hpp"
+#include "../hopper/linear_copies.hpp"
 
 namespace vsa {
 namespace gpu {
@@ -145,24 +146,20 @@ __global__ void VSA_LINEAR_BOUNDS((apply_shape<E, D>::threads), (apply_shape<E, 
   slice_range(slice, p.slices, p.seq.chunks, begin, end);
   if (begin >= end) return;
 
-#if VSA_WGMMA
-  // The copy engine (hopper_tma.hpp): thread 0 asks for each Q tile (one barrier a ring tile) and stores each
-  // O tile from the same ring tile; the block's copy work is then one wait a tile, and O leaves without a
-  // pass of 16-byte loads and stores through every thread.
+  // On Hopper the copy engine (qo_ring_feed, ../hopper/linear_copies.hpp): thread 0 asks for each Q tile (one
+  // barrier a ring tile) and stores each O tile from the same ring tile; the block's copy work is then one wait a
+  // tile, and O leaves without a pass of 16-byte loads and stores through every thread. Elsewhere the feed does
+  // nothing and tma is a constant false.
   constexpr int ring = apply_shape<E, D>::ring(layer_tn);
-  static_assert(ring >= 2, "a ring of two Q/O tiles at least");
-  __shared__ __align__(8) uint64_t ready[ring];
-  const bool tma = p.tma != 0;
-  tma::init_barriers(ready, ring, tma, tid);
+  using feed_type = qo_ring_feed<D, ring, apply_params>;
+  __shared__ __align__(8) typename feed_type::barriers ready;
+  const feed_type feed(ready, p.tma != 0, tid, p, h, b);
+  const bool tma = feed.on();
   // Padding rows come as they are in memory: each output row depends on its own query row alone (φ, the row
   // factors and the product are row by row), and rows at and past `valid` are written 0.
-  const auto load_ring = [&](int64_t c) {
-    const int buf = static_cast<int>((c - begin) % ring);
-    tma::tile_one{&ready[buf], 0u}.load<D>(sq(buf), &p.q_map, c * 64, h, b);
-  };
+  const auto load_ring = [&](int64_t c) { feed.load(c, begin, sq); };
   if (tma && tid == 0)
     for (int64_t c = begin; c < end && c < begin + ring; ++c) load_ring(c);
-#endif
   // Launched with overlap (runtime.hpp: launch): the first Q tiles, an input of the call, are on their way while
   // the state is reduced; the state and every write wait for the reduction.
   grid_dependency_wait();
@@ -173,10 +170,7 @@ __global__ void VSA_LINEAR_BOUNDS((apply_shape<E, D>::threads), (apply_shape<E, 
 #pragma unroll
   for (int c = 0; c < T; ++c)
     copy_tile(smem_tile<D>{sm + c * 64 * D}, p.kvn + (bhk * D + c * 64) * D, D, 64, tid, nthreads);
-#if VSA_WGMMA
-  if (!tma)
-#endif
-    load_q(begin, 0);
+  if (!tma) load_q(begin, 0);
   copy_commit();
   if (tid < D / 2) { // ordered before the first use by the first barrier below
     const float* vec = p.vec + bhk * 3 * D + 2 * tid;
@@ -186,38 +180,39 @@ __global__ void VSA_LINEAR_BOUNDS((apply_shape<E, D>::threads), (apply_shape<E, 
     mean[tid] = m;
   }
 
-#if VSA_WGMMA
-  if (tma) {
-    copy_wait<0>(); // KVn
-    __syncthreads();
-    for (int64_t c = begin; c < end; ++c) {
-      const int buf = static_cast<int>((c - begin) % ring);
-      // The ring tile of the previous tile receives Q(c − 1 + ring) once O(c − 1)'s store has read it.
-      if (tid == 0 && c > begin && c - 1 + ring < end) {
-        tma::store_wait_read<0>();
-        load_ring(c - 1 + ring);
-      }
-      // Q(c) on the barrier of its ring tile, in that barrier's phase (c − begin) / ring.
-      tma::wait(&ready[buf], static_cast<uint32_t>((c - begin) / ring) & 1u);
-      const int valid = p.seq.valid(c);
-      typename M::out_tile o;
-      apply_band<E, D, F>(o, sq(buf), row0, sm, zsigma, mean, p.eps);
-      // O over the warp's own rows of Q (read by every lane of the warp: the row sums' shuffles needed all of
-      // them), fenced for the copy engine's reads; the fence also orders this thread's reads of Q before the
-      // copy engine refills the tile.
-      __syncwarp();
-      if (valid < tile_rows)
-        store_band_rows<E, D>(o, sq(buf), row0, valid);
-      else
-        store_band<E, D>(o, sq(buf), row0);
-      stores_to_matrix_fence();
+  // The ring through the copy engine: on Hopper (layer_tn) only, the one backend with a ring (apply_shape::ring).
+  if constexpr (layer_tn) {
+    if (tma) {
+      copy_wait<0>(); // KVn
       __syncthreads();
-      if (tid == 0) tma::store_tile<D>(&p.o_map, sq(buf), c * 64, h, b);
+      for (int64_t c = begin; c < end; ++c) {
+        const int buf = static_cast<int>((c - begin) % ring);
+        // The ring tile of the previous tile receives Q(c − 1 + ring) once O(c − 1)'s store has read it.
+        if (tid == 0 && c > begin && c - 1 + ring < end) {
+          feed.wait_stores_read();
+          load_ring(c - 1 + ring);
+        }
+        // Q(c) on the barrier of its ring tile, in that barrier's phase (c − begin) / ring.
+        feed.wait(buf, static_cast<uint32_t>((c - begin) / ring) & 1u);
+        const int valid = p.seq.valid(c);
+        typename M::out_tile o;
+        apply_band<E, D, F>(o, sq(buf), row0, sm, zsigma, mean, p.eps);
+        // O over the warp's own rows of Q (read by every lane of the warp: the row sums' shuffles needed all of
+        // them), fenced for the copy engine's reads; the fence also orders this thread's reads of Q before the
+        // copy engine refills the tile.
+        warp_sync();
+        if (valid < tile_rows)
+          store_band_rows<E, D>(o, sq(buf), row0, valid);
+        else
+          store_band<E, D>(o, sq(buf), row0);
+        stores_to_matrix_fence();
+        __syncthreads();
+        if (tid == 0) feed.store(sq(buf), c);
+      }
+      if (tid == 0) feed.wait_stores(); // the block's shared memory must outlast the last stores
+      return;
     }
-    if (tid == 0) tma::store_wait<0>(); // the block's shared memory must outlast the last stores
-    return;
   }
-#endif
   for (int64_t c = begin; c < end; ++c) {
     const int buf = stages == 2 ? static_cast<int>((c - begin) & 1) : 0;
     copy_wait<0>(); // KVn, and Q

@@ -1,12 +1,12 @@
 // Backward, query side: query_grad_kernel (dq, and per slice the partial dKV and dz̄ that grad_reduce adds),
 // whose loop serves every target; on Hopper with the copy engine's maps it hands the tiles to query_grad_tma
-// (query_grad_hopper.hpp). With query_weights, which only its row warps use.
+// (../hopper/linear_query_grad.hpp). With query_weights, which only its row warps use.
 #pragma once
 
 #include "common.hpp"
 #include "features.hpp"
 #include "query_grad_common.hpp"
-#include "query_grad_hopper.hpp"
+#include "../hopper/linear_query_grad.hpp"
 
 namespace vsa {
 namespace gpu {
@@ -51,8 +51,8 @@ __device__ __forceinline__ void query_weights(typename warp_mma<E, D>::score_til
 // maximum and sum, combined as in a streaming softmax) are exchanged through shared memory across one
 // barrier, and each warpgroup then finishes dq and A for its columns. Otherwise four warps would work here
 // while the other four wait, one warp a scheduler with every latency exposed, and each would need the
-// registers of a whole row. On Hopper with the maps of Q, dO and dq, query_grad_tma (query_grad_hopper.hpp) runs the
-// tiles instead, through the copy engine; the loop below is the fallback, and the code of every other target.
+// registers of a whole row. On Hopper with the maps of Q, dO and dq, query_grad_tma (../hopper/linear_query_grad.hpp)
+// runs the tiles instead, through the copy engine; the loop below is the fallback, and the code of every other target.
 template <class E, int D, feature_map F>
 __global__ void VSA_LINEAR_BOUNDS((band_layout<E, D>::threads), (tuning::of(layer_tn).query_grad_blocks(D)))
     query_grad_kernel(const VSA_GRID_CONSTANT query_grad_params p) {
@@ -100,14 +100,13 @@ __global__ void VSA_LINEAR_BOUNDS((band_layout<E, D>::threads), (tuning::of(laye
   const float *z = vec, *m = vec + D, *sigma = vec + 2 * D;
   float* rows = p.rows + static_cast<int64_t>(blockIdx.x) * 64;
 
-#if VSA_WGMMA
-  if constexpr (query_grad_shape<E, D>::tma) {
+  // layer_tn: the wgmma backend, the only one on which query_grad_tma is defined.
+  if constexpr (layer_tn && query_grad_shape<E, D>::tma) {
     if (p.tma != 0) {
       query_grad_tma<E, D, F>(p, sm, z, m, sigma, slice, bh, b, h, bhk, begin, end);
       return;
     }
   }
-#endif
 
   const auto load = [&](int64_t c, int buf) {
     const int valid = p.seq.valid(c);

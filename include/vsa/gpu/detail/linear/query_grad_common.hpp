@@ -1,6 +1,6 @@
 // Backward, query side: what both bodies of the query gradient share (query_grad.hpp's loop and
-// query_grad_hopper.hpp's): the parameters, the shared-memory shape (host and device), and the helpers of a row phase
-// split by column parts (part_*, combine_parts), dq_pair and add_column_groups.
+// ../hopper/linear_query_grad.hpp's): the parameters, the shared-memory shape (host and device), and the helpers of a
+// row phase split by column parts (part_*, combine_parts), dq_pair and add_column_groups.
 #pragma once
 
 #include "common.hpp"

@@ -5,6 +5,7 @@
 
 #include "common.hpp"
 #include "features.hpp"
+#include "../hopper/linear_copies.hpp"
 
 namespace vsa {
 namespace gpu {
@@ -74,33 +75,31 @@ __global__ void VSA_LINEAR_BOUNDS((band_layout<E, D>::threads), (tuning::of(laye
   int64_t begin, end;
   slice_range(slice, p.slices, p.seq.chunks, begin, end);
 
-#if VSA_WGMMA
-  // The copy engine (hopper_tma.hpp): thread 0 asks for both tiles of a stage, counted on that stage's
-  // barrier, so a thread's whole copy work is one wait a tile.
-  static_assert(stages == 3, "the barriers' phases follow the ring of three stages");
-  __shared__ __align__(8) uint64_t ready[stages];
-  const bool tma = p.tma != 0;
-  tma::init_barriers(ready, stages, tma, tid);
-  // The ones of the column sums, after the tiles (whole KiB from a 1024-byte boundary, so the block is one
-  // swizzle atom). Written once; the fence and the loop's first barrier order them before the first product.
-  static_assert(M::ones_bytes == state_shape<E, D>::ones_bytes && M::ones_bytes / 16 <= nthreads, "block of ones");
+  // On Hopper the copy engine (kv_pair_feed, ../hopper/linear_copies.hpp): thread 0 asks for both tiles of a
+  // stage, counted on that stage's barrier, so a thread's whole copy work is one wait a tile. Elsewhere the feed
+  // does nothing and tma is a constant false.
+  static_assert(!layer_tn || stages == 3, "the barriers' phases follow the ring of three stages");
+  using feed_type = kv_pair_feed<D, stages, state_params>;
+  __shared__ __align__(8) typename feed_type::barriers ready;
+  const feed_type feed(ready, p.tma != 0, tid, p, hk, b);
+  const bool tma = feed.on();
+  // On Hopper the ones of the column sums, after the tiles (whole KiB from a 1024-byte boundary, so the block is
+  // one swizzle atom). Written once; the fence and the loop's first barrier order them before the first product.
   uint16_t* ones = sm + 2 * stages * 64 * D;
-  if (tid < M::ones_bytes / 16) {
-    const uint32_t one = E::pack(1.f, 1.f);
-    reinterpret_cast<uint4*>(ones)[tid] = make_uint4(one, one, one, one);
+  if constexpr (layer_tn) {
+    static_assert(M::ones_bytes == state_shape<E, D>::ones_bytes && M::ones_bytes / 16 <= nthreads, "block of ones");
+    if (tid < M::ones_bytes / 16) {
+      const uint32_t one = E::pack(1.f, 1.f);
+      reinterpret_cast<uint4*>(ones)[tid] = make_uint4(one, one, one, one);
+    }
+    stores_to_matrix_fence();
   }
-  stores_to_matrix_fence();
-#else
-  constexpr bool tma = false;
-#endif
 
   const auto load = [&](int64_t c, int buf) {
-#if VSA_WGMMA
     if (tma) {
-      if (tid == 0) tma::tile_pair{&ready[buf], 0u}.load<D>(sk(buf), &p.k_map, sv(buf), &p.v_map, c * 64, hk, b);
+      if (tid == 0) feed.load(sk(buf), sv(buf), c, buf);
       return;
     }
-#endif
     const int valid = p.seq.valid(c);
     copy_tile(sk(buf), p.k.tile(b, hk, c), p.k.token, valid, tid, nthreads);
     copy_tile(sv(buf), p.v.tile(b, hk, c), p.v.token, valid, tid, nthreads);
@@ -116,9 +115,8 @@ __global__ void VSA_LINEAR_BOUNDS((band_layout<E, D>::threads), (tuning::of(laye
     for (int r = 0; r < R; ++r) zs[k][r] = 0.f;
   }
   float vs[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#if VSA_WGMMA
-  typename M::sum_tile zsum{}, vsum{}; // z and Σ v of this warp's 16 rows (tn_sums)
-#endif
+  // z and Σ v of this warp's 16 rows (tn_sums, Hopper; the backend's sum tile, a placeholder elsewhere).
+  typename row_sums_by_product<M>::tile zsum{}, vsum{};
   const int vrow = tid / vecs, vcol = tid % vecs;
   const int frow = wave_reduce::group_item(tid, tpr), fpart = wave_reduce::group_part(tid, tpr);
 
@@ -136,9 +134,7 @@ __global__ void VSA_LINEAR_BOUNDS((band_layout<E, D>::threads), (tuning::of(laye
   for (int64_t c = begin; c < end; ++c) {
     const int buf = stages == 3 ? ring : stages == 2 ? static_cast<int>((c - begin) & 1) : 0;
     if (tma) {
-#if VSA_WGMMA
-      tma::wait(&ready[buf], phase);
-#endif
+      feed.wait(buf, phase);
     } else {
       copy_wait<(stages > 1 ? stages - 2 : 0)>();
     }
@@ -164,9 +160,7 @@ __global__ void VSA_LINEAR_BOUNDS((band_layout<E, D>::threads), (tuning::of(laye
     }
     if constexpr (layer_tn) {
       // V's padding rows as copy_tile leaves them, 0: a zero φ(k) times a NaN there would still be NaN.
-#if VSA_WGMMA
-      if (tma && valid < tile_rows) tma::zero_rows<D>(vt, valid, tid, nthreads);
-#endif
+      if (tma && valid < tile_rows) feed.zero_rows(vt, valid, tid, nthreads);
     } else {
       // Σ v over the tile (padding rows were zero-filled by the copy).
 #pragma unroll
@@ -186,9 +180,7 @@ __global__ void VSA_LINEAR_BOUNDS((band_layout<E, D>::threads), (tuning::of(laye
       // same chain it takes z for those d1 and Σ v for columns 64g … 64g+63 of V, each as a transposed panel
       // times a block of ones. No warp loads or adds a tile element for the sums.
       static_assert(bands == 1 && L::warps % 4 == 0, "one 16-row band per warp, whole warpgroups");
-#if VSA_WGMMA
       M::tn_sums(acc[0], zsum, vsum, kt, warp / 4, vt, ones);
-#endif
     } else {
 #pragma unroll
       for (int k = 0; k < bands; ++k) {
@@ -230,7 +222,6 @@ __global__ void VSA_LINEAR_BOUNDS((band_layout<E, D>::threads), (tuning::of(laye
     }
   }
   if constexpr (layer_tn) {
-#if VSA_WGMMA
     // Warp w's sums are those of d = 16w + its rows (warpgroup g: d = 64g + 16(w mod 4) + …); every column of
     // a sum tile holds the same value, so the row's leader writes its first.
     if (M::row_leader()) {
@@ -241,7 +232,6 @@ __global__ void VSA_LINEAR_BOUNDS((band_layout<E, D>::threads), (tuning::of(laye
         rec[record<D>::second + d] = vsum.x[2 * r];
       }
     }
-#endif
   } else {
     // Σ v: the row groups' partial sums, added in group order through shared memory.
     __syncthreads();

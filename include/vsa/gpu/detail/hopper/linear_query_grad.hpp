@@ -1,14 +1,22 @@
-// Backward, query side on Hopper: query_grad_tma, the tile loop of query_grad_kernel through the copy engine
-// (compiled on the wgmma backend only, VSA_WGMMA), in a file of its own so that this Hopper code sits apart.
+// Backward, query side on Hopper: query_grad_tma, the tile loop of the linear branch's query_grad_kernel
+// (../linear/query_grad.hpp) through the copy engine, here with the other Hopper code. It is defined on the wgmma
+// backend only (VSA_WGMMA: its products and copies exist nowhere else) and declared everywhere, so that the kernel
+// names it in a branch that only that backend compiles (if constexpr on layer_tn). It keeps the linear namespace:
+// it is written against the linear kernels' helpers (query_grad_common.hpp's), not against the attention kernels'.
 #pragma once
 
-#include "common.hpp"
-#include "query_grad_common.hpp"
+#include "../linear/common.hpp"
+#include "../linear/query_grad_common.hpp"
 
 namespace vsa {
 namespace gpu {
 namespace detail {
 namespace linear {
+
+template <class E, int D, feature_map F>
+__device__ __forceinline__ void query_grad_tma(const query_grad_params& p, uint16_t* sm, const float* z, const float* m,
+                                               const float* sigma, int64_t slice, int64_t bh, int64_t b, int64_t h,
+                                               int64_t bhk, int64_t begin, int64_t end);
 
 #if VSA_WGMMA
 // query_grad_kernel through the copy engine (Hopper code, where query_grad_shape::tma holds and the host could
