@@ -121,7 +121,9 @@ vsa_configure() {
 vsa_build() {
   local dir="$1"
   shift
-  cmake --build "$dir" --parallel "$(vsa_jobs)" "$@"
+  # Ninja's progress line with the time since the build began: which file of how many, and how long so far
+  # (a single GPU translation unit compiles for up to 90 s with nothing else printed).
+  NINJA_STATUS="${NINJA_STATUS:-[%f/%t, %es] }" cmake --build "$dir" --parallel "$(vsa_jobs)" "$@"
 }
 
 # Resolves a build directory argument against the caller's working directory.
