@@ -74,7 +74,7 @@ def dense(backend):
     return attend
 
 
-def vsa_attention(sparsity, keep_tiled=True):
+def vsa_attention(sparsity, keep_tiled=False):
     import vsa_torch
 
     def attend(q, k, v, gate, grid):
@@ -205,7 +205,7 @@ def run(model_name, variant, attend, reps, warmup, seed=0):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", action="append", choices=sorted(MODELS), help="default: both")
-    ap.add_argument("--variant", action="append", help="dense-cudnn, dense-fa2, vsa, vsa-low-memory (keep_tiled=False), fastvideo (default: all)")
+    ap.add_argument("--variant", action="append", help="dense-cudnn, dense-fa2, vsa, vsa-keep-tiled (keep_tiled=True), fastvideo (default: all)")
     ap.add_argument("--sparsity", type=float, default=0.9)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
@@ -215,7 +215,7 @@ def main():
         sys.exit("bench_block.py: needs a CUDA GPU")
     variants = {"dense-cudnn": lambda: dense("cudnn"), "dense-fa2": lambda: dense("fa2"),
                 "vsa": lambda: vsa_attention(args.sparsity),
-                "vsa-low-memory": lambda: vsa_attention(args.sparsity, keep_tiled=False),
+                "vsa-keep-tiled": lambda: vsa_attention(args.sparsity, keep_tiled=True),
                 "fastvideo": lambda: fastvideo_attention(args.sparsity)}
     chosen = args.variant or list(variants)
     results = []

@@ -66,8 +66,8 @@ def test_raster_order_is_tiling_around_the_tiled_op():
     exp = torch.autograd.grad(want, (q, k, v, g), d_o)
     for a, e in zip(got, exp):
         torch.testing.assert_close(a, e, rtol=0, atol=0)
-    # Keeping the raster inputs instead of their tiled copies changes nothing but memory.
-    o2 = vsa_torch.video_sparse_attention(q, k, v, grid, gate=g, sparsity=0.6, keep_tiled=False)
+    # Keeping the tiled copies instead of the raster inputs changes nothing but memory.
+    o2 = vsa_torch.video_sparse_attention(q, k, v, grid, gate=g, sparsity=0.6, keep_tiled=True)
     torch.testing.assert_close(o2, o, rtol=0, atol=0)
     for a, e in zip(torch.autograd.grad(o2, (q, k, v, g), d_o), got):
         torch.testing.assert_close(a, e, rtol=0, atol=0)

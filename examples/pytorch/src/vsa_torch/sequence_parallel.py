@@ -191,7 +191,7 @@ def heads_to_sequence(tensors, grid, *, group=None, frames=None, layout="bshd"):
 
 
 def video_sparse_attention(q, k, v, grid, *, gate=None, group=None, frames=None, top_k=None, sparsity=0.9,
-                           scale=None, layout="bshd", keep_tiled=True):
+                           scale=None, layout="bshd", keep_tiled=False):
     """vsa_torch.video_sparse_attention on a frame shard of each rank of `group` (default: the world), raster order.
 
     q [B, f_r·H·W, Hq, D], k and v [B, f_r·H·W, Hkv, D], gate like q or None: this rank's frames of the clip's
