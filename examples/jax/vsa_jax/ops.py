@@ -207,6 +207,7 @@ def _op_forward(q, k, v, gate, cfg):
 
 
 def _op_backward(cfg, residuals, cotangents):
+    register()
     q, k, v, gate, o, state = residuals
     d_o = cotangents[0].astype(o.dtype)
     _, _, scratch_bytes, _ = cfg.sizes(q, k)
@@ -276,6 +277,7 @@ def _sparse_forward(q, k, v, q2k, q2k_count, cfg):
 
 
 def _sparse_backward(cfg, residuals, cotangents):
+    register()
     q, k, v, q2k, q2k_count, o, lse = residuals
     d_o = cotangents[0].astype(o.dtype)
     p = _problem(q, k, cfg.grid, "sparse_attention")
