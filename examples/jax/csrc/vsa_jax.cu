@@ -55,8 +55,10 @@ vsa::options to_options(int64_t top_k, double sparsity, float scale) {
 struct op_plan {
   int64_t top_k = 0;
   std::size_t state_bytes = 0, forward_scratch = 0, backward_scratch = 0;
-  std::size_t forward_request() const { return alignment + aligned_size(state_bytes) + forward_scratch; }
-  std::size_t backward_request() const { return alignment + aligned_size(state_bytes) + backward_scratch; }
+  std::size_t forward_request() const { return alignment + aligned_size(state_bytes) + aligned_size(forward_scratch); }
+  std::size_t backward_request() const {
+    return alignment + aligned_size(state_bytes) + aligned_size(backward_scratch);
+  }
 };
 
 vsa::status plan_op(const vsa::problem& p, const vsa::options& opt, op_plan& plan) {

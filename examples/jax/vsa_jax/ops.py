@@ -247,11 +247,12 @@ def video_sparse_attention(q, k, v, grid, *, gate=None, top_k=None, sparsity=0.9
     _check_operands("forward", grid, raster_tokens(grid) if raster else tiled_tokens(grid), q, k, v, gate)
     cfg = _OpConfig(grid, 0 if top_k is None else int(top_k), float(sparsity), 0.0 if scale is None else float(scale),
                     bool(return_selection))
+    # The sizes' own checks (top_k, sparsity, scale) raise here, before anything is traced into XLA; they depend on
+    # the problem alone, not on the token order.
+    cfg.sizes(q, k)
     if raster:
         q, k, v = _tile(q, grid), _tile(k, grid), _tile(v, grid)
         gate = None if gate is None else _tile(gate, grid)
-    # The sizes' own checks (top_k, sparsity, scale) raise here, before anything is traced into XLA.
-    cfg.sizes(q, k)
     o, q2k, counts = _op(q, k, v, gate, cfg)
     if raster:
         o = _untile(o, grid)
