@@ -8,6 +8,7 @@
 #include "support/host.hpp"
 
 #include <vsa/gpu/arch/matrix.hpp>
+#include <vsa/gpu/runtime.hpp>
 
 #include <cmath>
 #include <type_traits>
@@ -105,6 +106,25 @@ TEST_CASE("the matrix layer computes A·Bᵀ and S·C on the real instructions",
   probe<gpu::bf16_type, 128, true>(dtype::bf16);
   probe<gpu::fp16_type, 64, true>(dtype::fp16);
   probe<gpu::fp16_type, 128, true>(dtype::fp16);
+}
+
+// What the device pass compiled: hopper_code decides a kernel's pipeline and so its shared memory, and the host
+// sizes that memory from runs_as_hopper. A build for sm_80 alone runs on Hopper as its compute_80 PTX compiled by
+// the driver, whose binary version says 90 while every branch of the device code took sm_80's.
+__global__ void hopper_code_probe_kernel(int* out) { *out = gpu::hopper_code ? 1 : 0; }
+
+TEST_CASE("the host knows which code a kernel runs as", "[gpu][matrix]") {
+  device_buffer out(sizeof(int));
+  out.poison();
+  hopper_code_probe_kernel<<<1, 1>>>(out.as<int>());
+  VSA_REQUIRE_RT(gpu::last_error());
+  VSA_REQUIRE_RT(gpu_sync());
+  const int device_says = out.download<int>()[0];
+  REQUIRE((device_says == 0 || device_says == 1));
+  bool host_says = false;
+  REQUIRE(gpu::runs_as_hopper(hopper_code_probe_kernel, host_says).is_ok());
+  CHECK(host_says == (device_says == 1));
+  CHECK(out.canaries_intact());
 }
 
 } // namespace

@@ -122,7 +122,7 @@ template <class E, int D, feature_map F> status make_plan(const problem& p, toke
   const sequence seq = make_sequence(p, order);
   w.heads_kv = p.batch * p.kv_heads;
   w.heads_q = p.batch * p.q_heads;
-  // All the kernels are built for the same architectures; the state kernel's binary version stands for them.
+  // All the kernels are built for the same architectures; the state kernel's code version stands for them.
   status s = runs_as_hopper(state_kernel<E, D, F>, w.hopper);
   if (!s) return s;
   int64_t slots = 0;

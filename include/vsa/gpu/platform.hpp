@@ -46,7 +46,8 @@ inline constexpr int warp_size = 32;
 #endif
 
 // Whether the device code being compiled is Hopper's or later (sm_90+): the forward then runs its one-stage
-// pipeline. The host learns the same of a kernel from the binary version of the code it runs as.
+// pipeline. The host learns the same of a kernel from the architecture its device pass was compiled for
+// (runs_as_hopper).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 inline constexpr bool hopper_code = true;
 #else

@@ -26,8 +26,8 @@ inline error_t multiprocessor_count(int* n, int device) {
 template <class Kernel> error_t allow_dynamic_shared(Kernel k, int bytes) {
   return hipFuncSetAttribute(reinterpret_cast<const void*>(k), hipFuncAttributeMaxDynamicSharedMemorySize, bytes);
 }
-// Compute capability (major·10 + minor) of the machine code a kernel runs as; 0 where not meaningful (AMD).
-template <class Kernel> error_t kernel_binary_version(Kernel, int* v) {
+// The architecture (major·10 + minor) a kernel's device pass was compiled for; 0 where not meaningful (AMD).
+template <class Kernel> error_t kernel_code_version(Kernel, int* v) {
   *v = 0;
   return hipSuccess;
 }
@@ -50,10 +50,13 @@ inline error_t multiprocessor_count(int* n, int device) {
 template <class Kernel> error_t allow_dynamic_shared(Kernel k, int bytes) {
   return cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
 }
-template <class Kernel> error_t kernel_binary_version(Kernel k, int* v) {
+// The architecture (major·10 + minor) a kernel's device pass was compiled for: its PTX version, the
+// __CUDA_ARCH__ that pass saw. Not the binary version: a build for sm_80 alone runs on Hopper as its compute_80
+// PTX compiled by the driver, binary version 90, but from device code that took every sm_80 branch.
+template <class Kernel> error_t kernel_code_version(Kernel k, int* v) {
   cudaFuncAttributes a{};
   const cudaError_t e = cudaFuncGetAttributes(&a, k);
-  *v = e == cudaSuccess ? a.binaryVersion : 0;
+  *v = e == cudaSuccess ? a.ptxVersion : 0;
   return e;
 }
 // Bytes of the kernel's static shared memory, as compiled for the device it runs on.
@@ -115,10 +118,10 @@ template <class... Params, class... Args> status launch(const char* what, void (
 }
 
 // Whether a kernel runs as Hopper code (sm_90 and later), which decides its pipeline and so its shared memory
-// (smem_plan: the device side asks hopper_code, the host the binary version of the code the kernel runs as).
+// (smem_plan: the device side asks hopper_code, the host the architecture its device pass was compiled for).
 template <class Kernel> status runs_as_hopper(Kernel k, bool& hopper) {
   int version = 0;
-  const status st = runtime_status(kernel_binary_version(k, &version), "querying a kernel's binary version");
+  const status st = runtime_status(kernel_code_version(k, &version), "querying a kernel's code version");
   hopper = version >= 90;
   return st;
 }

@@ -34,7 +34,7 @@ constexpr int copy_stages = tuning::of(false).copy_stages;
 
 // Where a block's shared tiles start: on the wgmma backend on a 1024-byte boundary (descriptor reads, see
 // smem_tile.hpp), for which Hopper blocks are given smem_slack more bytes (tile_slack, host and device
-// agree through the kernel's binary version); elsewhere at the start, with no slack. A macro, so that the
+// agree through the kernel's code version); elsewhere at the start, with no slack. A macro, so that the
 // other backends compile to exactly the code they had (an inline function in between reorders the address
 // arithmetic of the copies, seen in the sm_80 PTX).
 #if VSA_WGMMA
