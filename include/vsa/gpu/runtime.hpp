@@ -91,10 +91,10 @@ template <class... Params, class... Args> status launch(const char* what, void (
                                                         Args&&... args) {
 #if VSA_RUNTIME_CUDA
   if (overlap) {
-    cudaFuncAttributes a{};
-    const status st = runtime_status(cudaFuncGetAttributes(&a, kernel), what);
+    int version = 0; // PTX of sm_90 or later runs only on such a device
+    const status st = runtime_status(kernel_code_version(kernel, &version), what);
     if (!st) return st;
-    overlap = a.ptxVersion >= 90 && a.binaryVersion >= 90;
+    overlap = version >= 90;
   }
   cudaLaunchAttribute attribute[1] = {};
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
