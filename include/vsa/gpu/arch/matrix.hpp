@@ -12,6 +12,7 @@
 //   nt<W>, nn<W>                       the same over the first W = 16 or 32 rows of b only: the first W
 //                                      columns of s (its first score_elems·W/64 elements), the first W
 //                                      columns of p (a narrow step over a partial tile, attention_schedule.hpp)
+//   nn_sums<W>(o, l, p, b, ones)       nn<W> and l += p · ones, P's row sums (row_sums_by_product backends)
 //   nt_pair, nn_pair (free functions)  two independent nt or nn whose results are read after both: one
 //                                      wait for the pair where the backend can keep both in flight
 //   nt_fresh (free function)           s = a · bᵀ written anew (no zeros first where the backend writes its
@@ -107,8 +108,9 @@ nt_fresh(typename M::score_tile& s, const typename M::row_frag& af, smem_tile<D>
 }
 
 // Whether the backend forms P's row sums in the P · V chain (row_sums_by_product, with nn_sums: the wgmma
-// backend, from a block of ones in shared memory) and the accumulator it forms them in; elsewhere the softmax
-// adds them up and `tile` is a placeholder.
+// backend, from a block of ones in shared memory of M::ones_bytes; the mma.sync backend, from ones in registers,
+// ones_bytes 0) and the accumulator it forms them in; elsewhere the softmax adds them up and `tile` is a
+// placeholder.
 template <class M, class = void> struct row_sums_by_product : std::false_type {
   struct tile {
     float x[4];

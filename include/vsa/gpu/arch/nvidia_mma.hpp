@@ -123,7 +123,30 @@ template <class E, int D> struct warp_mma {
   // over the first W columns of P and rows of b only.
   template <int W = tile_rows>
   __device__ __forceinline__ static void nn(out_tile& o, const score_tile& p, smem_tile<D> b) {
+    nn_chain<W, false>(o, nullptr, p, b);
+  }
+
+  // A 16 × 8 accumulator of row sums (rows lane/4 in x[0], x[1] and lane/4 + 8 in x[2], x[3]): P times a B of
+  // ones, so every column is the row's sum, slot r at x[2r], as the wgmma backend's sum_tile.
+  struct sum_tile {
+    float x[4];
+  };
+  // The ones are a constant B fragment in registers, so no shared block of them (the wgmma backend's reads one).
+  static constexpr int ones_bytes = 0;
+  // nn and, in the same loop, l += P · ones: P's row sums from the matrix cores, of P exactly as the product
+  // rounds it, one m16n8k16 a 16-wide k step (W/16 a step, against 2·D/16 for the product) instead of rounding P a
+  // second time and adding it up in the softmax (bench/NOTES.md v13, v21). `ones` is unused here.
+  static constexpr bool row_sums_by_product = true;
+  template <int W = tile_rows> __device__ __forceinline__ static void
+  nn_sums(out_tile& o, sum_tile& l, const score_tile& p, smem_tile<D> b, const uint16_t* /*ones*/) {
+    nn_chain<W, true>(o, &l, p, b);
+  }
+
+private:
+  template <int W, bool Sums>
+  __device__ __forceinline__ static void nn_chain(out_tile& o, sum_tile* sums, const score_tile& p, smem_tile<D> b) {
     const int l = lane();
+    const uint32_t one = E::pack(1.f, 1.f);
 #pragma unroll
     for (int kk = 0; kk < W / 16; ++kk) { // 16 rows of b per step
       uint32_t a[4];
@@ -136,6 +159,7 @@ template <class E, int D> struct warp_mma {
         mma(&o.x[(2 * dp) * 4], a, r[0], r[1]);
         mma(&o.x[(2 * dp + 1) * 4], a, r[2], r[3]);
       }
+      if constexpr (Sums) mma(sums->x, a, one, one);
     }
   }
 };

@@ -103,14 +103,15 @@ template <int D> struct smem_plan {
   static constexpr bool forward_copy_engine(bool hopper, bool few_blocks) {
     return tuning::of(hopper).forward(few_blocks).copy_engine;
   }
-  // P's row sums formed on the matrix cores (row_sums_by_product, matrix.hpp) from a block of ones after Q.
+  // P's row sums formed on the matrix cores (row_sums_by_product, matrix.hpp): on Hopper code from a block of ones
+  // after Q, which the wgmma backend reads; the mma.sync backend keeps its ones in registers.
   static constexpr int ones_bytes = 1024; // warpgroup_mma::ones_bytes, which host code cannot name
   static constexpr bool forward_ones(bool hopper, bool few_blocks) {
     return tuning::of(hopper).forward(few_blocks).ones(D);
   }
   static constexpr int forward_bytes(bool hopper, bool few_blocks) {
     return (2 * forward_stages(hopper, few_blocks) + (forward_q_shares(hopper, few_blocks) ? 0 : 1)) * tile +
-           (forward_ones(hopper, few_blocks) ? ones_bytes : 0) + smem_slack;
+           (hopper && forward_ones(hopper, few_blocks) ? ones_bytes : 0) + smem_slack;
   }
   // Backward: the dq kernel's (K, V) stages and the portable dk/dv's (Q, dO) stages (the Hopper sparse pass at
   // D = 128 has a kernel and plan of its own: hopper/dkdv.hpp), two where the table asks for two and they fit.

@@ -50,6 +50,15 @@ __device__ __forceinline__ void warp_sync() {
 #endif
 }
 
+// Whether any lane of the warp has `pred`, in every lane.
+__device__ __forceinline__ bool warp_any(bool pred) {
+#if VSA_PLATFORM_AMD
+  return __any(pred);
+#else
+  return __any_sync(0xffffffffu, pred);
+#endif
+}
+
 // f folded over the whole warp, in every lane: a butterfly of shuffles in wave_reduce's order.
 template <class T, class F> __device__ __forceinline__ T warp_fold(T v, F f) {
 #pragma unroll

@@ -61,12 +61,15 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
   const auto sk = [&](int buf) { return smem_tile<D>{sm + (2 * buf) * 64 * D}; };
   const auto sv = [&](int buf) { return smem_tile<D>{sm + (1 + 2 * buf) * 64 * D}; };
   const smem_tile<D> sq = q_shares ? sk(1) : smem_tile<D>{sm + 2 * stages * 64 * D};
-  // P's row sums: formed in the P·V chain from a block of ones after Q where the backend can (Hopper's sparse
-  // pass in the one-step loop: smem_plan::forward_ones), otherwise added up in the softmax. Not in the narrow
-  // loop: there it made ptxas spill more at 128 registers (16 -> 44 bytes) and measured 0.5-1.5% slower, where
-  // the loop of one width gained 3% (bench/NOTES.md, v15).
+  // P's row sums: formed in the P·V chain, P times ones, where the backend can and the tuning table asks
+  // (smem_plan::forward_ones: Hopper's sparse pass in the one-step loop, from a block of ones after Q; the mma.sync
+  // backend's in both loops, from ones in registers), otherwise added up in the softmax. Hopper's not in the
+  // narrow loop: there it made ptxas spill more at 128 registers (16 -> 44 bytes) and measured 0.5-1.5% slower,
+  // where the loop of one width gained 3% (bench/NOTES.md, v15).
+  constexpr auto tune = tuning::of(hopper_code).forward(Sched::few_blocks);
   using row_sums = row_sums_by_product<M>;
-  constexpr bool matrix_sums = row_sums::value && !Narrow && smem_plan<D>::forward_ones(hopper_code, Sched::few_blocks);
+  constexpr bool matrix_sums =
+      row_sums::value && (!Narrow || tune.ones_narrow) && smem_plan<D>::forward_ones(hopper_code, Sched::few_blocks);
   uint16_t* const ones = sm + (2 * stages + 1) * 64 * D;
 
   const int64_t i = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
@@ -114,8 +117,9 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
     }
   }
   copy_commit();
-  if constexpr (matrix_sums) { // written once; the fence and the barrier below order them before the first product
-    static_assert(M::ones_bytes == smem_plan<D>::ones_bytes && M::ones_bytes / 16 <= nthreads, "block of ones");
+  if constexpr (matrix_sums && M::ones_bytes > 0) { // written once; the fence and the barrier below order them
+    static_assert(hopper_code && M::ones_bytes == smem_plan<D>::ones_bytes && M::ones_bytes / 16 <= nthreads,
+                  "block of ones");
     if (tid < M::ones_bytes / 16) {
       const uint32_t one = E::pack(1.f, 1.f);
       reinterpret_cast<uint4*>(ones)[tid] = make_uint4(one, one, one, one);
@@ -147,7 +151,15 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
   // of K made, NaN included, so K's padding rows need no zeros. Only the first `width` columns of st are
   // scores (a narrow step, with_step_width); the rest are not read. alpha is R floats (a pointer: a reference
   // to an array as a parameter of a generic lambda crashes the device front end of CUDA 13.0).
-  const auto softmax = [&](auto width, typename M::score_tile& st, int kv_rows, float* alpha) {
+  // Where the tuning table asks (lazy_rescale), a row's maximum in use moves only when the step's grows past it by
+  // more than lazy_margin, and then for every row of the warp: P is then at most 2^lazy_margin before rounding (256:
+  // far inside fp16's range, and rounded to E with the same relative error as near 1), o and the row sums carry the
+  // same factor, and the log-sum-exp is taken from the maximum in use. Exact in real arithmetic, as the maximum
+  // only keeps exp2 in range. Steps where no row of the warp moved leave alpha at 1: the softmax returns false,
+  // and o is not rescaled (a warp-uniform branch; FlashAttention-4 skips its rescale the same way).
+  constexpr bool lazy = tune.lazy_rescale;
+  constexpr float lazy_margin = 8.f;
+  const auto softmax = [&](auto width, typename M::score_tile& st, int kv_rows, float* alpha) -> bool {
     constexpr int W = decltype(width)::value, n = step_elems<M, W>;
     if (kv_rows < W) {
 #pragma unroll
@@ -158,12 +170,19 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
     for (int r = 0; r < R; ++r) mx[r] = -inf;
 #pragma unroll
     for (int e = 0; e < n; ++e) mx[M::elem_slot(e)] = fmaxf(mx[M::elem_slot(e)], st.x[e]);
-    float nbase[R], sum[R];
+    float nbase[R], sum[R], step_max[R];
+    bool grows = false;
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      const float mnew = fmaxf(m[r], M::row_max(mx[r]) * p.scale_log2);
+      step_max[r] = M::row_max(mx[r]) * p.scale_log2;
+      grows |= step_max[r] > m[r] + lazy_margin; // m = -inf: any finite maximum grows
+    }
+    const bool moves = !lazy || warp_any(grows);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const float mnew = moves ? fmaxf(m[r], step_max[r]) : m[r];
       const float base = mnew == -inf ? 0.f : mnew; // a row with nothing valid yet: keep exp2 away from inf - inf
-      alpha[r] = fast_exp2(m[r] - base);
+      alpha[r] = moves ? fast_exp2(m[r] - base) : 1.f;
       m[r] = mnew;
       nbase[r] = -base;
       sum[r] = 0.f;
@@ -192,6 +211,7 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
 #pragma unroll
       for (int r = 0; r < R; ++r) l[r] = l[r] * alpha[r] + sum[r];
     }
+    return moves;
   };
   const auto rescale = [&](const float(&alpha)[R]) {
 #pragma unroll
@@ -238,8 +258,7 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
         }
 
         float alpha[R];
-        softmax(width, st, kv, alpha);
-        rescale(alpha);
+        if (softmax(width, st, kv, alpha)) rescale(alpha);
 
         // V's padding rows among the W the product reads are zeroed where it came through the copy engine: a zero
         // probability times a NaN there would still be NaN.

@@ -18,7 +18,10 @@ constexpr table cdna_table() {
   // the second launch bound (waves an execution unit to HIP) is 1, no constraint.
   t.sparse.stages = {2, 2};
   t.sparse.overlap = {false, false};
-  t.sparse.ones = {false, false};
+  t.sparse.ones = {false, false}; // the MFMA backend has no nn_sums
+  t.sparse.ones_narrow = false;
+  // Not taken on AMD until an AMD GPU has measured it.
+  t.sparse.lazy_rescale = false;
   t.sparse.copy_engine = false;
   t.sparse.min_blocks = 1;
   t.coarse = t.sparse;

@@ -41,6 +41,13 @@ constexpr table hopper_table() {
   // In the one-step loop (D = 128) P's row sums come from the matrix cores, from a block of ones after Q: 1 KiB
   // more, four blocks an SM still.
   t.sparse.ones = {false, true};
+  // Not in the narrow loop, where ptxas spilled more at 128 registers and measured 0.5-1.5% slower (v15). The
+  // coarse pass as before the other parts took them. The lazy rescale is not measured on Hopper: not taken.
+  t.sparse.ones_narrow = false;
+  t.sparse.lazy_rescale = false;
+  t.coarse.ones = {false, false};
+  t.coarse.ones_narrow = false;
+  t.coarse.lazy_rescale = false;
   t.sparse.copy_engine = true;
   // Four blocks an SM: the one-stage pipeline's 48 KiB (D = 128) or 40 KiB (D = 64) let four sit on an SM's 227
   // KiB, so registers are capped at 128 (ptxas spills 16-92 bytes at D = 128, none at D = 64); measured against

@@ -19,8 +19,15 @@ constexpr table nvidia_mma_table() {
   // bound caps registers at 65536 / (128 threads · 3).
   t.sparse.stages = {2, 2};
   t.sparse.overlap = {false, false};
-  t.sparse.ones = {false, false};
+  // P's row sums from the matrix cores, a B fragment of ones in registers (one m16n8k16 a 16-wide k step), in both
+  // loops; and the rows' maxima moved only when one grows by more than 2^8, so that most steps skip o's rescale:
+  // together 1.04-1.05x at D = 128 and 1.03-1.04x at D = 64 on the H200 (sm_80 build; bench/NOTES.md, v21).
+  t.sparse.ones = {true, true};
+  t.sparse.ones_narrow = true;
+  t.sparse.lazy_rescale = true;
   t.sparse.copy_engine = false;
+  // Three blocks an SM at both head dims: four at D = 64 (registers capped at 128, no spill) measured slower, 2.01-2.02
+  // ms against 1.96-1.97 on hd64-32k (bench/NOTES.md, v21).
   t.sparse.min_blocks = 3;
   t.coarse = t.sparse;
   t.forward_q_own_slot = false;

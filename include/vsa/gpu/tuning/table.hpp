@@ -21,9 +21,13 @@ template <class T> struct per_dim {
 struct forward_pass {
   per_dim<int> stages;   // (K, V) copy stages: 2 where two fit in shared memory, otherwise 1
   per_dim<bool> overlap; // the products of a step overlap the softmax of the next (hopper/forward_overlap.hpp)
-  per_dim<bool> ones;    // P's row sums on the matrix cores from a block of ones after Q (row_sums_by_product)
-  bool copy_engine;      // K and V through the copy engine (hopper/feeds.hpp), where the loop allows it
-  int min_blocks;        // the kernel's second launch bound (forward_min_blocks)
+  per_dim<bool> ones; // P's row sums on the matrix cores, P times ones (row_sums_by_product), in the loop of one width
+  bool ones_narrow;   // ... and in the narrow loop (with_step_width) too
+  // The rows' maxima move only when a row's grows past the one in use by more than lazy_margin (a factor of 2^8
+  // in P), so that most steps skip the rescale of o (attention_forward.hpp).
+  bool lazy_rescale;
+  bool copy_engine; // K and V through the copy engine (hopper/feeds.hpp), where the loop allows it
+  int min_blocks;   // the kernel's second launch bound (forward_min_blocks)
 };
 
 struct table {
