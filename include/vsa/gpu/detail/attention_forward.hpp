@@ -117,14 +117,17 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
     }
   }
   copy_commit();
-  if constexpr (matrix_sums && M::ones_bytes > 0) { // written once; the fence and the barrier below order them
-    static_assert(hopper_code && M::ones_bytes == smem_plan<D>::ones_bytes && M::ones_bytes / 16 <= nthreads,
-                  "block of ones");
-    if (tid < M::ones_bytes / 16) {
-      const uint32_t one = E::pack(1.f, 1.f);
-      reinterpret_cast<uint4*>(ones)[tid] = make_uint4(one, one, one, one);
+  // Nested, so that a backend without row_sums_by_product (the MFMA one) is never asked for ones_bytes.
+  if constexpr (matrix_sums) {
+    if constexpr (M::ones_bytes > 0) { // written once; the fence and the barrier below order them
+      static_assert(hopper_code && M::ones_bytes == smem_plan<D>::ones_bytes && M::ones_bytes / 16 <= nthreads,
+                    "block of ones");
+      if (tid < M::ones_bytes / 16) {
+        const uint32_t one = E::pack(1.f, 1.f);
+        reinterpret_cast<uint4*>(ones)[tid] = make_uint4(one, one, one, one);
+      }
+      stores_to_matrix_fence();
     }
-    stores_to_matrix_fence();
   }
 
   float m[R], l[R];
