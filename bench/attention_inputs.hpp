@@ -126,8 +126,10 @@ inline void time_sparse_forward(benchmark::State& state, inputs& in, const devic
   state.counters["work"] = narrow_work(in.p, lists, k);
 }
 
-// The sparse pass's backward on `lists` (k entries a row), after one forward on them for o and lse.
-inline void time_sparse_backward(benchmark::State& state, inputs& in, const device_lists& lists, int64_t k) {
+// The sparse pass's backward on `lists` (k entries a row), after one forward on them for o and lse; in the workspace
+// the size query asks, or with `least` the least one (dq then recomputes dS).
+inline void time_sparse_backward(benchmark::State& state, inputs& in, const device_lists& lists, int64_t k,
+                                 bool least = false) {
   buffer lse(in.p.batch * in.p.q_heads * in.tokens * 4);
   const float scale = 1.f / std::sqrt(float(in.p.head_dim));
   const auto q = as_const(in.view(in.q, in.p.q_heads)), kt = as_const(in.view(in.kk, in.p.kv_heads)),
@@ -136,8 +138,10 @@ inline void time_sparse_backward(benchmark::State& state, inputs& in, const devi
                                  lse.get<float>(), nullptr),
         "sparse forward");
   std::size_t bytes = 0;
-  check(sparse_attention_backward(in.p, scale, q, kt, v, q, q, nullptr, {}, {}, {}, {}, nullptr, bytes, nullptr),
+  check(sparse_attention_backward(in.p, scale, q, kt, v, q, q, nullptr, as_const(lists.view(k)), {}, {}, {}, nullptr,
+                                  bytes, nullptr),
         "workspace size");
+  if (least) bytes = sparse_attention_backward_workspace(in.p);
   buffer ws(bytes);
   time_on_stream(state, nullptr, [&] {
     check(sparse_attention_backward(in.p, scale, q, kt, v, as_const(in.view(in.o, in.p.q_heads)),

@@ -59,6 +59,12 @@ void sparse_backward(benchmark::State& state, const shape& s, bool from_data) {
   time_sparse_backward(state, in, lists_of(s, from_data), in.k);
 }
 
+// In the least workspace, where dq recomputes dS instead of reading what dk/dv stored.
+void sparse_backward_recompute(benchmark::State& state, const shape& s) {
+  inputs& in = inputs_of(s);
+  time_sparse_backward(state, in, lists_of(s, false), in.k, true);
+}
+
 void op_forward_backward(benchmark::State& state, const shape& s, bool backward_pass, bool host) {
   time_op(state, inputs_of(s), options{}, backward_pass, host);
 }
@@ -77,6 +83,9 @@ const bool registered = [] {
           ->UseManualTime()
           ->Unit(benchmark::kMillisecond);
     }
+    benchmark::RegisterBenchmark(("sparse_backward_recompute/" + n).c_str(), sparse_backward_recompute, s)
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
     benchmark::RegisterBenchmark(("op_forward/" + n).c_str(), op_forward_backward, s, false, false)
         ->UseManualTime()
         ->Unit(benchmark::kMillisecond);

@@ -654,6 +654,58 @@ TEST_CASE("nvidia lane layout: row reductions over xor 1, 2", "[cpu]") {
       [](int e) { return nv::elem_slot(e); }, [](int l, int s) { return nv::slot_row(l, s); });
 }
 
+// dk/dv stores dS for dq (warp_mma::store_transposed): warp kk holds dSᵀ of keys 16kk … in the accumulator layout,
+// packs the elements ds_source_elem names, transposes each 8 × 8 block with movmatrix.trans and stores the registers
+// at ds_chunk; dq's warp w must read there its A fragment of dS, rows 16w … (queries), k step kk (keys).
+TEST_CASE("nvidia lane layout: dS stored through movmatrix.trans is dq's A operand", "[cpu]") {
+  std::mt19937 rng(13);
+  const matrix ds = random_matrix(64, 64, rng); // rows queries, columns keys
+  // movmatrix.m8n8.trans.b16 (PTX ISA): lane l gives row l / 4, columns 2(l mod 4), +1 of an 8 × 8 matrix and
+  // receives the same places of its transpose.
+  const auto movmatrix = [](const std::array<reg2, 32>& in) {
+    double m[8][8];
+    for (int l = 0; l < 32; ++l)
+      for (int h = 0; h < 2; ++h) m[l / 4][2 * (l % 4) + h] = in[l][h];
+    std::array<reg2, 32> out{};
+    for (int l = 0; l < 32; ++l)
+      for (int h = 0; h < 2; ++h) out[l][h] = m[2 * (l % 4) + h][l / 4];
+    return out;
+  };
+  for (int l = 0; l < 32; ++l)
+    for (int h = 0; h < 2; ++h) {
+      CHECK(nv::movmatrix_src_row(l, h) == 2 * (l % 4) + h);
+      CHECK(nv::movmatrix_src_col(l) == l / 4);
+    }
+  std::vector<std::array<reg2, 4>> slot(64 * 64 / 8, std::array<reg2, 4>{});
+  std::vector<int> writes(slot.size(), 0);
+  for (int kk = 0; kk < 4; ++kk) // dk/dv's warps
+    for (int band = 0; band < 4; ++band)
+      for (int r = 0; r < 4; ++r) {
+        std::array<reg2, 32> packed{};
+        for (int l = 0; l < 32; ++l)
+          for (int h = 0; h < 2; ++h) {
+            const int e = nv::ds_source_elem(band, r, h);
+            const int key = 16 * kk + nv::elem_row(l, e), query = nv::elem_col(l, e);
+            packed[l][h] = ds[query][key]; // the accumulator of dSᵀ
+          }
+        const std::array<reg2, 32> t = movmatrix(packed);
+        for (int l = 0; l < 32; ++l) {
+          slot[nv::ds_chunk(band, kk, l)][r] = t[l];
+          if (r == 0) ++writes[nv::ds_chunk(band, kk, l)];
+        }
+      }
+  CHECK(std::all_of(writes.begin(), writes.end(), [](int w) { return w == 1; })); // every chunk once
+  int wrong = 0;
+  for (int band = 0; band < 4; ++band) // dq's warps
+    for (int kk = 0; kk < 4; ++kk)
+      for (int l = 0; l < 32; ++l)
+        for (int r = 0; r < 4; ++r)
+          for (int h = 0; h < 2; ++h)
+            if (slot[nv::ds_chunk(band, kk, l)][r][h] != ds[16 * band + nv::a_row(l, r)][16 * kk + nv::a_col(l, r, h)])
+              ++wrong;
+  CHECK(wrong == 0);
+}
+
 TEST_CASE("amd lane layout: fragment functions are the CDNA 16x16x16 tables", "[cpu]") {
   for (int l = 0; l < amd::lanes; ++l)
     for (int i = 0; i < 4; ++i) {

@@ -149,7 +149,7 @@ TEST_CASE("the whole op and the sparse pass at the scales models produce", "[gpu
                                        lse.as<float>(), nullptr)
                   .is_ok());
       std::size_t sbytes = 0;
-      REQUIRE(sparse_attention_backward(p, scale, {}, {}, {}, {}, {}, nullptr, {}, {}, {}, {}, nullptr, sbytes, nullptr)
+      REQUIRE(sparse_attention_backward(p, scale, {}, {}, {}, {}, {}, nullptr, dl, {}, {}, {}, nullptr, sbytes, nullptr)
                   .is_ok());
       device_buffer sws(sbytes);
       REQUIRE(sparse_attention_backward(p, scale, dq_in.cview(), dk_in.cview(), dv_in.cview(), os.cview(), ddo.cview(),

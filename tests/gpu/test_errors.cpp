@@ -287,8 +287,10 @@ std::size_t asked_size(const entry_point& call, arguments a) {
 }
 
 // Runs every case as its own section: the call fails with the case's code, the message names the argument,
-// and no buffer changes. With a workspace, the size query is exact first (so "one byte short" is short).
-void run_cases(const entry_point& call, const std::vector<bad_case>& cases, bool has_workspace) {
+// and no buffer changes. With a workspace, the size query is exact first (so "one byte short" is short); or, for an
+// entry point that takes any workspace from a least size up (`least`), that least size.
+void run_cases(const entry_point& call, const std::vector<bad_case>& cases, bool has_workspace,
+               std::size_t (*least)(const arguments&) = nullptr) {
   state st;
   for (const bad_case& c : cases) {
     DYNAMIC_SECTION(c.name) {
@@ -298,6 +300,10 @@ void run_cases(const entry_point& call, const std::vector<bad_case>& cases, bool
         REQUIRE(need > 0);
         REQUIRE(need <= a.workspace_bytes);
         a.workspace_bytes = need;
+        if (least != nullptr) {
+          REQUIRE(least(a) <= need);
+          a.workspace_bytes = least(a);
+        }
       }
       c.change(a);
       const auto before = st.snapshot();
@@ -493,7 +499,7 @@ TEST_CASE("sparse_attention_backward rejects bad arguments untouched", "[gpu][er
                  list_cases("q2k", &index_lists::q2k), list_cases("q2k_count", &index_lists::q2k_count),
                  list_cases("k2q", &index_lists::k2q), list_cases("k2q_offset", &index_lists::k2q_offset),
                  capacity_cases(tiles_of_default()), workspace_cases(), aliasing),
-            true);
+            true, [](const arguments& a) { return sparse_attention_backward_workspace(a.p); });
 }
 
 TEST_CASE("combine rejects bad arguments untouched", "[gpu][errors]") {

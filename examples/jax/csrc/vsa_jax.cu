@@ -96,7 +96,7 @@ vsa::status plan_sparse_backward(const vsa::problem& p, int64_t capacity, float 
   plan.k2q = aligned_size(heads * static_cast<std::size_t>(n * capacity) * sizeof(int32_t));
   plan.offsets = aligned_size(heads * static_cast<std::size_t>(n + 1) * sizeof(int32_t));
   plan.index = aligned_size(plan.index);
-  plan.backward = aligned_size(vsa::sparse_attention_backward_workspace(p));
+  plan.backward = aligned_size(vsa::sparse_attention_backward_workspace(p, capacity));
   return s;
 }
 

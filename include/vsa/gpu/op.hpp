@@ -117,7 +117,7 @@ inline status plan_op(const problem& p, const options& opt, op_workspace& w) {
     w.b_scores = take(bh * n * n * sizeof(float));
     w.coarse_scratch = take(coarse_attention_backward_workspace(p));
   }
-  w.sparse_scratch = take(sparse_attention_backward_workspace(p));
+  w.sparse_scratch = take(sparse_attention_backward_workspace(p, w.capacity));
   w.backward_scratch_bytes = off;
   return status::ok();
 }
@@ -341,7 +341,8 @@ inline status backward_planned(const problem& p, const options& opt, const op_wo
   dp.gate = gpu::detail::make_operand(io.gate);
   dp.o_c = o_c;
   dp.o_residual = w.at<const int8_t>(state, w.o_residual);
-  s = detail::prepare_sparse_backward(p, idx, w.at(scratch, w.sparse_scratch), bp, dp, stream);
+  s = detail::prepare_sparse_backward(p, idx, w.at(scratch, w.sparse_scratch),
+                                      w.backward_scratch_bytes - w.sparse_scratch, bp, dp, stream);
   if (!s) return s;
   return detail::run_backward(p, dp, bp, qs, ks, stream);
 }

@@ -64,6 +64,25 @@ VSA_HOST_DEVICE constexpr int p_elem(int kk, int reg, int half) {
   return (2 * kk + (reg >> 1)) * 4 + 2 * (reg & 1) + half;
 }
 
+// movmatrix.m8n8.trans: lane l gives and receives the two elements of row l / 4 at columns 2(l mod 4) + h of
+// an 8 × 8 matrix; what it receives is that place of the transpose, element (2(l mod 4) + h, l / 4) of what
+// the lanes gave.
+VSA_HOST_DEVICE constexpr int movmatrix_src_row(int lane, int half) { return 2 * (lane & 3) + half; }
+VSA_HOST_DEVICE constexpr int movmatrix_src_col(int lane) { return lane >> 2; }
+
+// A pair's dS as dk/dv stores it for dq (detail/attention_dq_stored.hpp): a 64 × 64 tile (rows queries, columns
+// keys) as the A fragments of dq's product, in 16-byte chunks of the four registers of one lane. Chunk
+// ds_chunk(band, kk, lane) holds lane `lane`'s A fragment of the band's 16 query rows at the 16-wide key step
+// kk, so that a dq warp reads its band as four chunks a lane, contiguous across the warp's lanes.
+VSA_HOST_DEVICE constexpr int ds_chunk(int band, int kk, int lane) { return (band * 4 + kk) * lanes + lane; }
+// dk/dv's warp kk holds dSᵀ of keys 16kk … 16kk + 15 (its score tile's rows) against the 64 queries: register r
+// of the A fragment of query band `band` is, before the transpose, the 8 × 8 block of its score elements
+// ds_source_elem(band, r, h) (h = 0, 1; query octet 2·band + r mod 2, key half ⌊r/2⌋), one movmatrix.trans
+// a register.
+VSA_HOST_DEVICE constexpr int ds_source_elem(int band, int reg, int half) {
+  return (2 * band + (reg & 1)) * 4 + 2 * (reg >> 1) + half;
+}
+
 // The lanes that share a row differ in the two low bits: reduce over xor row_xor_mask(0), row_xor_mask(1).
 VSA_HOST_DEVICE constexpr int row_xor_mask(int step) { return 1 << step; }
 VSA_HOST_DEVICE constexpr bool row_leader(int lane) { return (lane & 3) == 0; }

@@ -17,6 +17,8 @@
 //                                      wait for the pair where the backend can keep both in flight
 //   nt_fresh (free function)           s = a · bᵀ written anew (no zeros first where the backend writes its
 //                                      products in place: nt_into)
+//   store_transposed, nn_frags         mma.sync backend only (stores_score_frags): a score tile stored
+//                                      transposed as A fragments, and nn from such fragments
 //   tn(o, a, panel, b)                 wgmma backend only: o += aᵀ · b over the 64 rows of two shared tiles,
 //                                      aᵀ the 64 columns of one panel of a, read transposed
 //   tn_sums(o, sa, sb, a, panel, b, ones)
@@ -120,6 +122,13 @@ template <class M> struct row_sums_by_product<M, std::void_t<decltype(M::row_sum
     : std::bool_constant<M::row_sums_by_product> {
   using tile = typename M::sum_tile;
 };
+
+// Whether the backend can store a score tile transposed as the A fragments of a later product and run that
+// product from them (store_transposed, frag_chunk, nn_frags, score_frag: the mma.sync backend), which dq from
+// the dS that dk/dv stores needs (detail/attention_dq_stored.hpp). The MFMA backend has no such members yet.
+template <class M, class = void> struct stores_score_frags : std::false_type {};
+template <class M> struct stores_score_frags<M, std::void_t<decltype(M::stores_score_frags)>>
+    : std::bool_constant<M::stores_score_frags> {};
 
 // Copies the 64 rows of a [rows, D] tile from global memory (row r at src + r·row_stride) into a shared
 // tile, 16 bytes a thread at a time; rows at or past `valid` are zero-filled so that padding slots hold no

@@ -142,6 +142,59 @@ template <class E, int D> struct warp_mma {
     nn_chain<W, true>(o, &l, p, b);
   }
 
+  // ---- dq from the dS that dk/dv stores (detail/attention_dq_stored.hpp) ----
+  // A 16 × 64 band of a score tile as the A operand of nn, one fragment a 16-wide k step (the layout of the stored
+  // dS, lane_layout::nvidia::ds_chunk).
+  struct score_frag {
+    uint32_t x[tile_rows / 16][4];
+  };
+  static constexpr bool stores_score_frags = true;
+  __device__ __forceinline__ static uint32_t transpose8x8(uint32_t x) {
+    uint32_t y;
+    asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+    return y;
+  }
+  // Stores the transpose of a score tile t as the 64 × 64 tile that dq's product takes as its A operand: this warp
+  // holds t's rows row0 … row0 + 15 (keys, dSᵀ in dk/dv), which are the columns of k step row0 / 16 of every query
+  // band. Rows at or past `valid` are stored as zeros (the padding keys of a partial tile, whose scores are not
+  // masked in dk/dv). Tile is the score tile of any backend with this lane layout (the wgmma backend's too).
+  template <class Tile>
+  __device__ __forceinline__ static void store_transposed(uint16_t* slot, const Tile& t, int row0, int valid) {
+    const int l = lane(), kk = row0 / 16;
+    const bool low = row0 + nv_lanes::slot_row(l, 0) < valid, high = row0 + nv_lanes::slot_row(l, 1) < valid;
+#pragma unroll
+    for (int band = 0; band < tile_rows / 16; ++band) {
+      uint32_t r[4];
+#pragma unroll
+      for (int reg = 0; reg < 4; ++reg) {
+        const bool keep = (reg >> 1) == 0 ? low : high; // key half ⌊reg/2⌋ is the lane's row slot
+        const float x0 = t.x[nv_lanes::ds_source_elem(band, reg, 0)], x1 = t.x[nv_lanes::ds_source_elem(band, reg, 1)];
+        r[reg] = transpose8x8(keep ? E::pack(x0, x1) : 0u);
+      }
+      *reinterpret_cast<uint4*>(slot + 8 * nv_lanes::ds_chunk(band, kk, l)) = make_uint4(r[0], r[1], r[2], r[3]);
+    }
+  }
+
+  // The chunk of a stored tile that lane `lane` of the warp on rows row0 … reads for its A fragment at k step kk.
+  __device__ __forceinline__ static int frag_chunk(int row0, int kk) {
+    return nv_lanes::ds_chunk(row0 / 16, kk, lane());
+  }
+  // o += a · b over the first W rows of b, a the band's A fragments (as nn, with P given as fragments).
+  template <int W = tile_rows>
+  __device__ __forceinline__ static void nn_frags(out_tile& o, const score_frag& a, smem_tile<D> b) {
+    const int l = lane();
+#pragma unroll
+    for (int kk = 0; kk < W / 16; ++kk) {
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        uint32_t r[4];
+        ldmatrix_x4_trans(r, b.chunk(kk * 16 + nv_lanes::nn_b_load_row(l), 2 * dp + nv_lanes::nn_b_load_chunk(l)));
+        mma(&o.x[(2 * dp) * 4], a.x[kk], r[0], r[1]);
+        mma(&o.x[(2 * dp + 1) * 4], a.x[kk], r[2], r[3]);
+      }
+    }
+  }
+
 private:
   template <int W, bool Sums>
   __device__ __forceinline__ static void nn_chain(out_tile& o, sum_tile* sums, const score_tile& p, smem_tile<D> b) {

@@ -33,8 +33,17 @@ struct backward_params {
   const float* fold_q; // optional [B, Hq, N, D] fp32, added as fold_q[tile] / valid(tile) to every valid row
   const float* fold_k; // [B, Hkv, N, D]
   const float* fold_v;
-  // Optional launch order of the dk/dv blocks: entry x is the (b·Hkv + hk)·N + j that block x computes.
+  // Optional launch order of the dk/dv blocks: entry item0 + x is the (b·Hkv + hk)·N + j that block x computes.
   const int32_t* order;
+  int64_t item0;
+  // dq from stored dS (attention_dq_stored.hpp), the sparse pass only: dk/dv stores the dS of each pair of
+  // the query heads ds_head0 … (b·Hq + h flattened) in the slot of its k2q position, 64 · 64 elements a slot
+  // at ds + (position − ds_head0 · N · capacity) · 4096; ds_map holds, for each q2k entry, its pair's k2q
+  // position within its head (−1: none). ds_units: kv heads (b·Hkv + hk flattened) whose slots the workspace
+  // holds at once, 0 where dq recomputes dS instead.
+  uint16_t* ds;
+  int32_t* ds_map;
+  int64_t ds_head0, ds_units;
   int64_t q_heads, kv_heads, group;
   float scale;
   float scale_log2;
@@ -229,8 +238,9 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), backward_min_bl
 // narrowing them by the query tile's valid rows gained 1% on wan2.1 and made the
 // kernel spill on gfx940 (bench/NOTES.md, v12). Where two stages fit (smem_plan::dkdv_stages) the next pair's
 // Q, dO and row statistics are asked for at the start of a step, into the other stage, and waited for at its
-// end; each step's four products go as two pairs (nt_pair, nn_pair), one wait each.
-template <class E, int D, class Sched, int MinBlocks = 0>
+// end; each step's four products go as two pairs (nt_pair, nn_pair), one wait each. StoreDs: each pair's dS also
+// goes to its slot of p.ds for dq (attention_dq_stored.hpp).
+template <class E, int D, class Sched, int MinBlocks = 0, bool StoreDs = false>
 __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), backward_min_blocks(MinBlocks))
     attention_dkdv_kernel(const VSA_GRID_CONSTANT backward_params p, Sched s) {
   using M = attention_mma<E, D>;
@@ -247,7 +257,7 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), backward_min_bl
 
   int64_t j = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
   if (p.order != nullptr) {
-    const int64_t item = p.order[blockIdx.x];
+    const int64_t item = p.order[p.item0 + blockIdx.x];
     j = item % s.tiles;
     hk = (item / s.tiles) % p.kv_heads;
     b = item / s.tiles / p.kv_heads;
@@ -358,6 +368,11 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), backward_min_bl
       const float pr = fast_exp2(st.x[e] * p.scale_log2 - lse2(c));
       st.x[e] = pr;
       dp.x[e] = pr * (dp.x[e] - delta(c)); // dSᵀ
+    }
+    if constexpr (StoreDs) {
+      static_assert(stores_score_frags<warp_mma<E, D>>::value, "the backend stores no score fragments");
+      const int64_t slot = pos - p.ds_head0 * s.tiles * s.capacity;
+      warp_mma<E, D>::store_transposed(p.ds + slot * (tile_rows * tile_rows), dp, row0, kv);
     }
     nn_pair<M>(dv, st, sdo(buf), dk, dp, sq(buf));
 

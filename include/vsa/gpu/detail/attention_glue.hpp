@@ -133,24 +133,53 @@ template <class Sched> gpu::detail::delta_params delta_base(const problem& p, co
   return dp;
 }
 
+// The most workspace the size query asks for the stored dS of dq (attention_dq_stored.hpp) unless every head's
+// slots fit under it: 8 KB a pair, 3.9 GB on wan2.1-1.3b-480p, which fits whole; a longer clip runs over groups of
+// heads, and one whose single kv head's slots exceed it recomputes dS in dq, unless the caller gives more.
+inline constexpr std::size_t stored_ds_budget = std::size_t(8) << 30;
+
 // The fine backward's scratch, each piece aligned to workspace_alignment: delta (one fp32 a query row), the order
-// kernels' counts (2·order_buckets ints a kv head) and the launch order of the dk/dv blocks (one int a kv head's tile).
+// kernels' counts (2·order_buckets ints a kv head), the launch order of the dk/dv blocks (one int a kv head's tile),
+// and for dq from stored dS the map of q2k entries (one int each) and the slots of `units` kv heads at a time
+// (group · N · capacity pairs a kv head, 64 · 64 elements a pair). The minimum (no capacity) has no slots; with the
+// capacity, as many kv heads' slots as `available` bytes hold, at most all of them; where not one fits, or where the
+// device's kernels recompute dS (stores_ds_for), none.
 struct sparse_backward_scratch {
-  std::size_t delta, counts, order;
+  std::size_t delta, counts, order, map = 0, slots = 0;
+  int64_t units = 0;
   explicit sparse_backward_scratch(const problem& p) {
     const int64_t n = tile_geometry(p.grid).num_tiles();
     delta = align_up(sizeof(float) * p.batch * p.q_heads * n * 64);
     counts = align_up(sizeof(int32_t) * 2 * gpu::detail::order_buckets * p.batch * p.kv_heads);
     order = align_up(sizeof(int32_t) * p.batch * p.kv_heads * n);
   }
-  std::size_t bytes() const { return delta + counts + order; }
+  sparse_backward_scratch(const problem& p, int64_t capacity, std::size_t available) : sparse_backward_scratch(p) {
+    const int64_t n = tile_geometry(p.grid).num_tiles();
+    if (capacity < 1 || capacity > n || !gpu::detail::stores_ds_for(p.type, p.head_dim)) return;
+    const std::size_t pairs = static_cast<std::size_t>(p.q_heads / p.kv_heads) * n * capacity;
+    const std::size_t unit = align_up(pairs * gpu::tile_rows * gpu::tile_rows * dtype_size(p.type));
+    const std::size_t map_bytes = align_up(sizeof(int32_t) * p.batch * p.q_heads * n * capacity);
+    const std::size_t base = bytes();
+    if (available < base + map_bytes + unit) return;
+    const std::size_t fit = (available - base - map_bytes) / unit, all = static_cast<std::size_t>(p.batch * p.kv_heads);
+    units = static_cast<int64_t>(fit < all ? fit : all);
+    map = map_bytes;
+    slots = units * unit;
+  }
+  std::size_t bytes() const { return delta + counts + order + map + slots; }
 };
+// The size query's answer: the slots of every kv head where they fit in stored_ds_budget, else as many as fit.
+inline std::size_t sparse_backward_preferred_bytes(const problem& p, int64_t capacity) {
+  const sparse_backward_scratch minimum(p);
+  return sparse_backward_scratch(p, capacity, minimum.bytes() + stored_ds_budget).bytes();
+}
 
-// Carves the fine backward's scratch, points bp and dp at it and launches what fills the dk/dv launch order.
+// Carves the fine backward's scratch of scratch_bytes, points bp and dp at it and launches what fills the dk/dv
+// launch order.
 inline status prepare_sparse_backward(const problem& p, const const_index_lists& idx, void* scratch,
-                                      gpu::detail::backward_params& bp, gpu::detail::delta_params& dp,
-                                      gpu::stream_t stream) {
-  const sparse_backward_scratch pieces(p);
+                                      std::size_t scratch_bytes, gpu::detail::backward_params& bp,
+                                      gpu::detail::delta_params& dp, gpu::stream_t stream) {
+  const sparse_backward_scratch pieces(p, idx.q2k_capacity, scratch_bytes);
   unsigned char* at = static_cast<unsigned char*>(scratch);
   float* delta = reinterpret_cast<float*>(at);
   at += pieces.delta;
@@ -164,9 +193,13 @@ inline status prepare_sparse_backward(const problem& p, const const_index_lists&
   op.kv_heads = p.kv_heads;
   op.group = p.q_heads / p.kv_heads;
   op.items = p.batch * p.kv_heads * op.tiles;
+  at += pieces.order;
   dp.delta = delta;
   bp.delta = delta;
   bp.order = op.order;
+  bp.ds_map = pieces.units > 0 ? reinterpret_cast<int32_t*>(at) : nullptr;
+  bp.ds = pieces.units > 0 ? reinterpret_cast<uint16_t*>(at + pieces.map) : nullptr;
+  bp.ds_units = pieces.units;
   return gpu::detail::launch_order(op, stream);
 }
 

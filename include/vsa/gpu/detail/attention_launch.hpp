@@ -3,6 +3,7 @@
 #pragma once
 
 #include "attention_backward.hpp"
+#include "attention_dq_stored.hpp"
 #include "attention_forward.hpp"
 #include "hopper/dkdv.hpp"
 
@@ -25,6 +26,9 @@ template <class F> status dispatch(dtype t, int64_t d, F&& f) {
   if (t == dtype::fp16 && d == 64) return f(kernel_config<fp16_type, 64>{});
   return status::error(errc::bad_argument, "no kernel for %s with head dim %lld", dtype_name(t), (long long)d);
 }
+
+// Whether this platform's backend can store dS for dq (stores_score_frags), which sizes the backward's workspace.
+inline constexpr bool stores_ds_here = stores_score_frags<warp_mma<bf16_type, 128>>::value;
 
 template <class Kernel> status prepare(Kernel k, int smem_bytes) {
   // Raising the dynamic shared-memory limit is idempotent and cheap; doing it on every launch keeps the
@@ -97,6 +101,75 @@ inline status launch_order(const order_params& op, stream_t stream) {
   return launch("attention backward (order)", order_place_kernel<>, blocks, 256, 0, stream, false, op);
 }
 
+// The sparse backward with dq from stored dS (attention_dq_stored.hpp): the map of q2k entries to k2q positions,
+// then over groups of bp.ds_units kv heads (the slots the workspace holds), dk/dv storing each pair's dS and dq
+// reading them.
+// split: dk/dv is Hopper's warp-specialized kernel (launch_backward decides).
+template <class E, int D> status launch_backward_stored(const backward_params& bp, const sparse_schedule& q_sched,
+                                                        const sparse_schedule& k_sched, int64_t batch, bool hopper,
+                                                        bool split, stream_t stream) {
+  using M = warp_mma<E, D>;
+  const auto dq = narrow_or_not(q_sched, [&](auto narrow) {
+    return raster_or_not<sparse_schedule>(bp.raster_out, [](auto raster) {
+      return attention_dq_stored_kernel<E, D, decltype(narrow)::value, decltype(raster)::value>;
+    });
+  });
+  const auto dkdv = attention_dkdv_kernel<E, D, sparse_schedule, 0, true>;
+  const int dq_smem = dq_stored_plan<D>::bytes, dkdv_smem = smem_plan<D>::dkdv_bytes(hopper);
+  status st = prepare(dq, dq_smem);
+  if (st && !split) st = prepare(dkdv, dkdv_smem);
+  if constexpr (D == 128) {
+    if (st && split)
+      st = prepare(hopper::hopper_dkdv_kernel<E, D, hopper::dkdv_tuning, true>, hopper::dkdv_plan<D>::bytes);
+  }
+  if (!st) return st;
+  const int64_t tiles = q_sched.tiles;
+  ds_map_params mp{q_sched.list, q_sched.count, k_sched.list,     k_sched.offset,
+                   bp.ds_map,    tiles,         q_sched.capacity, batch * bp.q_heads * tiles * q_sched.capacity};
+  st = launch("attention backward (dS map)", ds_map_kernel<>, static_cast<unsigned>((mp.entries + 255) / 256), 256, 0,
+              stream, false, mp);
+  const int64_t units = batch * bp.kv_heads;
+  for (int64_t u0 = 0; st && u0 < units; u0 += bp.ds_units) {
+    const int64_t n = units - u0 < bp.ds_units ? units - u0 : bp.ds_units;
+    backward_params b = bp;
+    b.item0 = u0 * tiles;
+    b.ds_head0 = u0 * bp.group;
+    const unsigned blocks = static_cast<unsigned>(n * tiles);
+    if constexpr (D == 128) {
+      if (split) {
+        st = launch("attention backward (dk, dv)", hopper::hopper_dkdv_kernel<E, D, hopper::dkdv_tuning, true>, blocks,
+                    hopper::block_threads, hopper::dkdv_plan<D>::bytes, stream, false, b, k_sched);
+      }
+    }
+    if (!split)
+      st = launch("attention backward (dk, dv)", dkdv, blocks, 4 * M::threads, dkdv_smem, stream, false, b, k_sched);
+    if (st) {
+      st =
+          launch("attention backward (dq)", dq, dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(n * bp.group)),
+                 4 * M::threads, dq_smem, stream, false, b, q_sched);
+    }
+  }
+  return st;
+}
+
+// Whether the sparse backward takes dq from stored dS on the current device for this dtype and head dim: the backend
+// can store dS (stores_ds_here) and the table of the code the kernels run as takes it, so that the workspace asks for
+// slots only where they are used. False where the device cannot be asked.
+template <bool Can = stores_ds_here> bool stores_ds_for(dtype t, int64_t d) {
+  bool takes = false;
+  if constexpr (Can) {
+    (void)dispatch(t, d, [&](auto cfg) {
+      using C = decltype(cfg);
+      bool hopper = false;
+      const status st = runs_as_hopper(attention_dq_stored_kernel<typename C::element, C::head_dim>, hopper);
+      takes = st && tuning::of(hopper).dq_from_stored_ds(C::head_dim);
+      return status::ok();
+    });
+  }
+  (void)t, (void)d;
+  return takes;
+}
+
 template <class E, int D, class Sched> status launch_backward(const backward_params& bp, const Sched& q_sched,
                                                               const Sched& k_sched, int64_t batch, stream_t stream) {
   using M = warp_mma<E, D>;
@@ -140,6 +213,12 @@ template <class E, int D, class Sched> status launch_backward(const backward_par
       if (split) st = prepare(hopper::hopper_dkdv_kernel<E, D>, hopper::dkdv_plan<D>::bytes);
       if (!st) return st;
     }
+  }
+  // dq from the dS that dk/dv stores, where the workspace holds slots (ds_units), the backend can store them and the
+  // table takes it.
+  if constexpr (!Sched::few_blocks && stores_score_frags<warp_mma<E, D>>::value) {
+    if (bp.ds_units > 0 && bp.order != nullptr && tuning::of(hopper).dq_from_stored_ds(D))
+      return launch_backward_stored<E, D>(b, q_sched, k_sched, batch, hopper, split, stream);
   }
   st = prepare(dq, smem);
   if (st && !split) st = prepare(dkdv, dkdv_smem);

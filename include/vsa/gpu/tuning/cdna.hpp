@@ -30,6 +30,8 @@ constexpr table cdna_table() {
   t.dq_stages = 2;
   t.dkdv_stages = {2, 2};
   t.dkdv_copy_engine = {false, false};
+  // dq recomputes dS: the MFMA backend has no stored form of a score tile yet (stores_score_frags).
+  t.dq_from_stored_ds = {false, false};
   // HIP reads a kernel's second launch bound as waves an execution unit, not blocks: a probe's MinBlocks is dropped.
   t.min_blocks_bound = false;
 

@@ -66,6 +66,9 @@ constexpr table hopper_table() {
   // (bench/NOTES.md, v8); its second stage then goes through cp.async, which measured 1.04x slower (v15).
   t.dkdv_stages = {1, 2};
   t.dkdv_copy_engine = {false, true};
+  // dq recomputes dS: its mma.sync product from stored dS measured slower than Hopper's recomputing dq on wgmma, 6.94
+  // against 6.75 ms at D = 128 (hopper/dkdv.hpp storing) and 4.73 against 4.06 at D = 64 (bench/NOTES.md, v22).
+  t.dq_from_stored_ds = {false, false};
 
   // ---- linear attention ----
   // state_kernel keeps three stages (96 KiB of tiles at D = 128, still two blocks an SM): the next two tiles stream

@@ -41,6 +41,9 @@ struct table {
   per_dim<int> dkdv_stages;
   // The portable dk/dv's Q and dO through the copy engine (hopper/feeds.hpp).
   per_dim<bool> dkdv_copy_engine;
+  // The sparse pass's dq from the dS that dk/dv stores (detail/attention_dq_stored.hpp), where the workspace holds
+  // the slots and the backend can store them (stores_score_frags); otherwise dq recomputes S and dP.
+  per_dim<bool> dq_from_stored_ds;
   // The backward kernels' MinBlocks (a probe's) becomes their second launch bound (backward_min_blocks).
   bool min_blocks_bound;
   // ---- linear attention (detail/linear/) ----

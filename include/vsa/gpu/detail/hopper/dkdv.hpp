@@ -129,10 +129,12 @@ __device__ __forceinline__ void produce_pairs(dkdv_pairs& it, const backward_par
 }
 #endif
 
-// Launched with block_threads threads and dkdv_plan<D, T>::bytes of shared memory, a block per entry of p.order; only
-// where the kernel runs as sm_90a code and the tiles' maps encode (backward_params::tma; attention_launch.hpp). The
-// launcher tells the compiled body from the empty one of other builds by the barriers' static shared memory.
-template <class E, int D, class T = dkdv_tuning> __global__ void __launch_bounds__(block_threads, 1)
+// Launched with block_threads threads and dkdv_plan<D, T>::bytes of shared memory, a block per entry of p.order from
+// p.item0; only where the kernel runs as sm_90a code and the tiles' maps encode (backward_params::tma;
+// attention_launch.hpp). The launcher tells the compiled body from the empty one of other builds by the barriers'
+// static shared memory. StoreDs: consumer 1 also stores each pair's dS for dq (attention_dq_stored.hpp).
+template <class E, int D, class T = dkdv_tuning, bool StoreDs = false>
+__global__ void __launch_bounds__(block_threads, 1)
     hopper_dkdv_kernel(const VSA_GRID_CONSTANT backward_params p, const VSA_GRID_CONSTANT sparse_schedule s) {
   static_assert(D == 128, "the split pays at head dim 128; D = 64 keeps the portable kernel (bench/NOTES.md, v19)");
 #if VSA_WGMMA
@@ -149,7 +151,7 @@ template <class E, int D, class T = dkdv_tuning> __global__ void __launch_bounds
   const score_handoff hand{static_cast<uint4*>(ring.end(stages)), p_full, p_empty};
   dkdv_stage_info* info = reinterpret_cast<dkdv_stage_info*>(reinterpret_cast<char*>(hand.data) + score_handoff_bytes);
 
-  const int64_t item = p.order[blockIdx.x];
+  const int64_t item = p.order[p.item0 + blockIdx.x];
   const int64_t j = item % s.tiles, hk = (item / s.tiles) % p.kv_heads, b = item / s.tiles / p.kv_heads;
   // The warpgroup index through a shuffle, so that ptxas knows it is the same across each warp: branches on it are
   // then not divergent, and the wgmma chains inside them stay pipelined (otherwise C7518: every wgmma serialized).
@@ -211,6 +213,10 @@ template <class E, int D, class T = dkdv_tuning> __global__ void __launch_bounds
 #pragma unroll
     for (int e = 0; e < M::score_elems; ++e)
       x.x[e] = live(e, qv) ? score_handoff::at(pw, e) * (x.x[e] - delta[M::elem_col(e)]) : 0.f;
+    if constexpr (StoreDs) { // `it` is at pair n (overlapped_steps)
+      const int64_t slot = it.pos - p.ds_head0 * s.tiles * s.capacity;
+      warp_mma<E, D>::store_transposed(p.ds + slot * (tile_rows * tile_rows), x, row0, kv);
+    }
     tma::clear_rows_then<D>(sq(buf), qv, wtid, 128, tile_rows, [] { tma::named_sync(consumer1_barrier, 128); });
   };
   // The block's own tile, K for consumer 0 and V for consumer 1, is the first product's A operand (band_of).
