@@ -73,7 +73,7 @@ template <int D> struct dq_stored_plan {
 // 16w … 16w + 15. Each lane copies only the four 16-byte chunks of the slot that it reads (its A fragments), so
 // the slot needs no barrier of its own; K is shared by the warps. Narrow and RasterOut as for attention_dq_kernel.
 template <class E, int D, bool Narrow = false, bool RasterOut = false>
-__global__ void __launch_bounds__(4 * warp_mma<E, D>::threads)
+__global__ void __launch_bounds__((4 * warp_mma<E, D>::threads))
     attention_dq_stored_kernel(const VSA_GRID_CONSTANT backward_params p, sparse_schedule s) {
   using M = warp_mma<E, D>;
   using plan = dq_stored_plan<D>;
