@@ -8,6 +8,7 @@
 #include "support/catch.hpp"
 
 #include <vsa/gpu/arch/lane_layout.hpp>
+#include <vsa/gpu/arch/smem_layout.hpp>
 #include <vsa/numeric.hpp>
 
 #include <algorithm>
@@ -783,4 +784,65 @@ TEST_CASE("accumulator elements pair up as row neighbours", "[cpu]") {
       CHECK(amd::elem_row(l, e + 1) == amd::elem_row(l, e));
       CHECK(amd::elem_col(l, e + 1) == amd::elem_col(l, e) + 1);
     }
+}
+
+// V stored transposed for the MFMA backend's nn_t (smem_layout::transposed_*): every thread's block of the copy,
+// transposed in registers and stored as eight 8-byte units, then read back as nn_t's A operands, gives each lane
+// B's rows operand_k … +3 at column operand_row; the tile is written exactly once, and the 16 lanes of a store or a
+// read that share a unit index touch 16 different 8-byte units (all 32 banks).
+template <int D> void amd_transposed_tile(std::mt19937& rng) {
+  namespace sl = vsa::gpu::smem_layout;
+  std::uniform_int_distribution<uint32_t> bits(0, 0xffff);
+  std::vector<std::vector<uint16_t>> v(64, std::vector<uint16_t>(D));
+  for (auto& row : v)
+    for (auto& x : row) x = static_cast<uint16_t>(bits(rng));
+  std::vector<uint16_t> lds(64 * D, 0);
+  std::vector<int> written(64 * D, 0);
+  constexpr int chunks = D / 8;
+  for (int blk = 0; blk < 16 * chunks; ++blk) {
+    const int u = sl::transposed_block_unit(blk), c = sl::transposed_block_chunk(blk);
+    uint32_t in[4][4];
+    for (int k = 0; k < 4; ++k)
+      for (int w = 0; w < 4; ++w)
+        in[k][w] = uint32_t(v[4 * u + k][8 * c + 2 * w]) | (uint32_t(v[4 * u + k][8 * c + 2 * w + 1]) << 16);
+    for (int i = 0; i < 8; ++i) {
+      const int off = sl::transposed_offset(8 * c + i, u);
+      REQUIRE(off % 4 == 0);
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t word = sl::transposed_word(in, i, h);
+        lds[off + 2 * h] = static_cast<uint16_t>(word & 0xffff),
+                      lds[off + 2 * h + 1] = static_cast<uint16_t>(word >> 16);
+        ++written[off + 2 * h], ++written[off + 2 * h + 1];
+      }
+    }
+  }
+  for (int n : written) REQUIRE(n == 1);
+  for (int kk = 0; kk < 4; ++kk)
+    for (int dt = 0; dt < D / 16; ++dt)
+      for (int l = 0; l < amd::lanes; ++l) {
+        const int r = kk * 16 + amd::operand_k(l), col = dt * 16 + amd::operand_row(l);
+        const int off = sl::transposed_offset(col, r / sl::transposed_unit);
+        for (int i = 0; i < 4; ++i) CHECK(lds[off + i] == v[r + i][col]);
+      }
+  // Banks: a read's 16 lanes l mod 16 share the unit; a store's 16 consecutive blocks share the chunk.
+  for (int u = 0; u < 16; ++u)
+    for (int col0 = 0; col0 < D; col0 += 16) {
+      std::set<int> units;
+      for (int j = 0; j < 16; ++j) units.insert((sl::transposed_offset(col0 + j, u) / 4) % 16);
+      CHECK(units.size() == 16);
+    }
+  for (int blk0 = 0; blk0 < 16 * chunks; blk0 += 16)
+    for (int i = 0; i < 8; ++i) {
+      std::set<int> units;
+      for (int b = blk0; b < blk0 + 16; ++b)
+        units.insert((sl::transposed_offset(8 * sl::transposed_block_chunk(b) + i, sl::transposed_block_unit(b)) / 4) %
+                     16);
+      CHECK(units.size() == 16);
+    }
+}
+
+TEST_CASE("amd lane layout: V stored transposed is read as nn's A operands, conflict-free", "[cpu]") {
+  std::mt19937 rng(29);
+  amd_transposed_tile<64>(rng);
+  amd_transposed_tile<128>(rng);
 }

@@ -136,6 +136,50 @@ template <class E, int D> struct warp_mma {
       }
     }
   }
+
+  // nn from a tile stored transposed (smem_tile_transposed, written by copy_transposed): B's rows operand_k … +3 at
+  // column operand_row are one 8-byte unit, where nn above reads them as four 2-byte elements and packs them (in the
+  // forward that was 128 reads and about 200 instructions of packing and addressing a step at D = 128:
+  // bench/NOTES-amd.md).
+  static constexpr bool nn_from_transposed = true;
+  template <int W = tile_rows>
+  __device__ __forceinline__ static void nn_t(out_tile& o, const score_tile& p, smem_tile_transposed<D> b) {
+    const int l = lane();
+#pragma unroll
+    for (int kk = 0; kk < W / 16; ++kk) {
+      const uint32_t p0 = E::pack(p.x[amd_lanes::p_elem(kk, 0)], p.x[amd_lanes::p_elem(kk, 1)]);
+      const uint32_t p1 = E::pack(p.x[amd_lanes::p_elem(kk, 2)], p.x[amd_lanes::p_elem(kk, 3)]);
+      const int u = (kk * 16 + amd_lanes::operand_k(l)) / smem_layout::transposed_unit;
+#pragma unroll
+      for (int dt = 0; dt < D / 16; ++dt) {
+        const uint2 a = *reinterpret_cast<const uint2*>(b.unit(dt * 16 + amd_lanes::operand_row(l), u));
+        mfma(&o.x[dt * 4], a.x, a.y, p0, p1);
+      }
+    }
+  }
+
+  // Copies the 64 rows of a [rows, D] tile from global memory (row r at src + r·row_stride) into a tile stored
+  // transposed, rows at or past `valid` as zeros (copy_tile's contract): each thread loads a block of four rows of
+  // one 16-byte chunk and stores it as eight 8-byte units, transposed in registers (smem_layout::transposed_word).
+  __device__ __forceinline__ static void copy_transposed(smem_tile_transposed<D> dst, const uint16_t* src,
+                                                         int64_t row_stride, int valid, int tid, int nthreads) {
+    constexpr int chunks = D / 8;
+    for (int blk = tid; blk < 16 * chunks; blk += nthreads) {
+      const int u = smem_layout::transposed_block_unit(blk), c = smem_layout::transposed_block_chunk(blk);
+      uint32_t in[4][4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int r = u * smem_layout::transposed_unit + k;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (r < valid) v = *reinterpret_cast<const uint4*>(src + r * row_stride + c * 8);
+        in[k][0] = v.x, in[k][1] = v.y, in[k][2] = v.z, in[k][3] = v.w;
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        *reinterpret_cast<uint2*>(dst.unit(c * 8 + i, u)) =
+            make_uint2(smem_layout::transposed_word(in, i, 0), smem_layout::transposed_word(in, i, 1));
+    }
+  }
 };
 
 } // namespace gpu

@@ -17,6 +17,9 @@
 //                                      wait for the pair where the backend can keep both in flight
 //   nt_fresh (free function)           s = a · bᵀ written anew (no zeros first where the backend writes its
 //                                      products in place: nt_into)
+//   nn_t(o, p, bt), copy_transposed    MFMA backend only (nn_from_transposed): nn from a tile stored
+//                                      transposed, and the copy that stores it so; the kernels reach them
+//                                      through nn_operand and copy_nn_operand (free functions)
 //   store_transposed, nn_frags         mma.sync backend only (stores_score_frags): a score tile stored
 //                                      transposed as A fragments, and nn from such fragments
 //   tn(o, a, panel, b)                 wgmma backend only: o += aᵀ · b over the 64 rows of two shared tiles,
@@ -123,6 +126,24 @@ template <class M> struct row_sums_by_product<M, std::void_t<decltype(M::row_sum
   using tile = typename M::sum_tile;
 };
 
+// Whether the backend's nn reads its B operand from a tile stored transposed (nn_t, copy_transposed: the MFMA
+// backend, whose operands run along k in every lane, which for the B of nn is down a row-major tile's columns).
+// The forward stores V so (copy_nn_operand) and multiplies by it so (nn_operand); where a tile feeds both nt and nn
+// (K in dq, Q and dO in dk/dv) it stays row-major. The other backends read row-major tiles transposed as they load
+// (ldmatrix.trans, wgmma's MN-major descriptors).
+template <class M, class = void> struct nn_from_transposed : std::false_type {};
+template <class M> struct nn_from_transposed<M, std::void_t<decltype(M::nn_from_transposed)>>
+    : std::bool_constant<M::nn_from_transposed> {};
+
+template <class M, int W = tile_rows, int D>
+__device__ __forceinline__ void nn_operand(typename M::out_tile& o, const typename M::score_tile& p, smem_tile<D> b) {
+  if constexpr (nn_from_transposed<M>::value) {
+    M::template nn_t<W>(o, p, smem_tile_transposed<D>{b.base});
+  } else {
+    M::template nn<W>(o, p, b);
+  }
+}
+
 // Whether the backend can store a score tile transposed as the A fragments of a later product and run that
 // product from them (store_transposed, frag_chunk, nn_frags, score_frag: the mma.sync backend), which dq from
 // the dS that dk/dv stores needs (detail/attention_dq_stored.hpp). The MFMA backend has no such members yet.
@@ -170,6 +191,16 @@ template <int D> __device__ __forceinline__ void copy_tile(smem_tile<D> dst, con
   for (int i = tid; i < tile_rows * chunks; i += nthreads) {
     const int r = i / chunks, c = i % chunks;
     copy_chunk(dst.chunk(r, c), src + r * row_stride + c * 8, src, r < valid);
+  }
+}
+
+// copy_tile for a tile that only nn reads (V in the forward): stored transposed where the backend reads it so.
+template <class M, int D> __device__ __forceinline__ void
+copy_nn_operand(smem_tile<D> dst, const uint16_t* src, int64_t row_stride, int valid, int tid, int nthreads) {
+  if constexpr (nn_from_transposed<M>::value) {
+    M::copy_transposed(smem_tile_transposed<D>{dst.base}, src, row_stride, valid, tid, nthreads);
+  } else {
+    copy_tile(dst, src, row_stride, valid, tid, nthreads);
   }
 }
 

@@ -27,6 +27,27 @@ VSA_HOST_DEVICE constexpr int panel_chunk_offset(int row, int c) {
 // AMD: whole rows of d elements.
 VSA_HOST_DEVICE constexpr int row_chunk_offset(int d, int row, int c) { return row * d + ((c ^ (row & 7)) << 3); }
 
+// AMD, a tile stored transposed (smem_tile_transposed): the operand that an MFMA product reads along the tile's rows
+// (V in P·V, whose k axis is the key) as d rows of the tile's 64 rows, in 8-byte units of four. The MFMA takes four
+// consecutive k elements a lane, so a row-major V costs four 2-byte reads and their packing for every 8 bytes; stored
+// transposed, they are one 8-byte read. Unit u (tile rows 4u … 4u+3) of transposed row `col` lies at unit u ^ (col mod
+// 16): the 16 lanes of an MFMA read that share u read 16 consecutive columns, and the 16 lanes of a copy's write that
+// share a column write 16 consecutive units, so each touches 16 different 8-byte units, all 32 banks, once.
+constexpr int transposed_unit = 4; // tile rows an 8-byte unit holds
+VSA_HOST_DEVICE constexpr int transposed_offset(int col, int unit) {
+  return col * tile_rows + ((unit ^ (col & 15)) * transposed_unit);
+}
+// The copy into that layout: thread-sized blocks of 4 tile rows × 8 columns (four 16-byte loads, eight 8-byte
+// stores), block b at unit b mod 16 and 16-byte chunk b / 16, so that the 16 lanes of a store share the chunk.
+VSA_HOST_DEVICE constexpr int transposed_block_unit(int block) { return block & 15; }
+VSA_HOST_DEVICE constexpr int transposed_block_chunk(int block) { return block >> 4; }
+// The register transpose of one block: in[k][w] holds tile row 4u + k, columns 8c + 2w (low half) and 8c + 2w + 1
+// (high half); out[i][h] receives column 8c + i, tile rows 4u + 2h (low half) and 4u + 2h + 1 (high half).
+VSA_HOST_DEVICE constexpr uint32_t transposed_word(const uint32_t (&in)[4][4], int i, int h) {
+  const uint32_t a = in[2 * h][i >> 1], b = in[2 * h + 1][i >> 1];
+  return (i & 1) ? (a >> 16) | (b & 0xffff0000u) : (a & 0xffffu) | (b << 16);
+}
+
 } // namespace smem_layout
 
 // wgmma's shared-memory operands (PTX ISA, "Matrix Descriptor" and "Shared Memory Matrix Layout"), over the

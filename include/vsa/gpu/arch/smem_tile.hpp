@@ -38,6 +38,16 @@ template <int D> struct smem_tile {
   __device__ __forceinline__ uint16_t* chunk(int row, int c) const { return base + chunk_offset(row, c); }
 };
 
+// The same 64 × D tile stored transposed (smem_layout::transposed_offset; AMD only, where the MFMA backend reads V
+// so: nn_from_transposed, matrix.hpp). Same bytes as smem_tile<D>, so a stage's slot holds either.
+template <int D> struct smem_tile_transposed {
+  uint16_t* base;
+  // The 8-byte unit of tile rows 4u … 4u+3 of column col.
+  __device__ __forceinline__ uint16_t* unit(int col, int u) const {
+    return base + smem_layout::transposed_offset(col, u);
+  }
+};
+
 // Alignment of the tiles in dynamic shared memory, and the slack a kernel asks for to reach it: the
 // hardware applies the 128-byte swizzle to address bits, so a panel must start on a 1024-byte boundary.
 #if VSA_PLATFORM_NVIDIA

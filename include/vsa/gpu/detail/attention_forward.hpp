@@ -99,7 +99,7 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
   const auto load_kv = [&](int64_t j, int buf) { // copy_tile path; j = -1 copies nothing but zeros
     const int kv = count.valid(j);
     if (products_s) copy_tile(sk(buf), p.k.tile(b, hk, j), p.k.token, kv, tid, nthreads);
-    copy_tile(sv(buf), p.v.tile(b, hk, j), p.v.token, kv, tid, nthreads);
+    copy_nn_operand<M>(sv(buf), p.v.tile(b, hk, j), p.v.token, kv, tid, nthreads);
   };
   // The list entry and valid count of each step are read a step ahead, so that neither the load nor the
   // count (two divisions, done by multiplication: tile_valid_counter) waits behind the step's products.
@@ -269,7 +269,7 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
         if constexpr (matrix_sums) {
           M::template nn_sums<W>(o, lsum, st, sv(buf), ones);
         } else {
-          M::template nn<W>(o, st, sv(buf));
+          nn_operand<M, W>(o, st, sv(buf));
         }
       });
       j = j_next;
