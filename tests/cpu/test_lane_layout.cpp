@@ -655,9 +655,11 @@ TEST_CASE("nvidia lane layout: row reductions over xor 1, 2", "[cpu]") {
       [](int e) { return nv::elem_slot(e); }, [](int l, int s) { return nv::slot_row(l, s); });
 }
 
-// dk/dv stores dS for dq (warp_mma::store_transposed): warp kk holds dSᵀ of keys 16kk … in the accumulator layout,
-// packs the elements ds_source_elem names, transposes each 8 × 8 block with movmatrix.trans and stores the registers
-// at ds_chunk; dq's warp w must read there its A fragment of dS, rows 16w … (queries), k step kk (keys).
+// dk/dv stores dS for dq (warp_mma::pack_rows, store_transposed): warp kk holds dSᵀ of keys 16kk … in the accumulator
+// layout, rounds it once to the A fragments of dK's product (p_elem), zeroing the keys at or past the tile's valid
+// count by the fragment's rows (a_row), transposes register ds_frag_reg(r) of k step `band` with movmatrix.trans for
+// register r and stores the registers at ds_chunk; dq's warp w must read there its A fragment of dS, rows 16w …
+// (queries), k step kk (keys), with zeros at the padding keys.
 TEST_CASE("nvidia lane layout: dS stored through movmatrix.trans is dq's A operand", "[cpu]") {
   std::mt19937 rng(13);
   const matrix ds = random_matrix(64, 64, rng); // rows queries, columns keys
@@ -677,34 +679,47 @@ TEST_CASE("nvidia lane layout: dS stored through movmatrix.trans is dq's A opera
       CHECK(nv::movmatrix_src_row(l, h) == 2 * (l % 4) + h);
       CHECK(nv::movmatrix_src_col(l) == l / 4);
     }
-  std::vector<std::array<reg2, 4>> slot(64 * 64 / 8, std::array<reg2, 4>{});
-  std::vector<int> writes(slot.size(), 0);
-  for (int kk = 0; kk < 4; ++kk) // dk/dv's warps
-    for (int band = 0; band < 4; ++band)
-      for (int r = 0; r < 4; ++r) {
-        std::array<reg2, 32> packed{};
-        for (int l = 0; l < 32; ++l)
-          for (int h = 0; h < 2; ++h) {
-            const int e = nv::ds_source_elem(band, r, h);
-            const int key = 16 * kk + nv::elem_row(l, e), query = nv::elem_col(l, e);
-            packed[l][h] = ds[query][key]; // the accumulator of dSᵀ
-          }
-        const std::array<reg2, 32> t = movmatrix(packed);
-        for (int l = 0; l < 32; ++l) {
-          slot[nv::ds_chunk(band, kk, l)][r] = t[l];
-          if (r == 0) ++writes[nv::ds_chunk(band, kk, l)];
-        }
-      }
-  CHECK(std::all_of(writes.begin(), writes.end(), [](int w) { return w == 1; })); // every chunk once
-  int wrong = 0;
-  for (int band = 0; band < 4; ++band) // dq's warps
+  // The zeroing goes by the A register's rows: both halves of register r are elements of row a_row(l, r).
+  for (int l = 0; l < 32; ++l)
     for (int kk = 0; kk < 4; ++kk)
+      for (int r = 0; r < 4; ++r)
+        for (int h = 0; h < 2; ++h) CHECK(nv::elem_row(l, nv::p_elem(kk, r, h)) == nv::a_row(l, r));
+  for (int valid : {64, 49, 33, 16, 7, 1}) {
+    std::vector<std::array<reg2, 4>> slot(64 * 64 / 8, std::array<reg2, 4>{});
+    std::vector<int> writes(slot.size(), 0);
+    for (int kk = 0; kk < 4; ++kk) { // dk/dv's warps: the A fragments of dK's product, padding keys zeroed
+      std::array<std::array<std::array<reg2, 4>, 4>, 32> frag{};
       for (int l = 0; l < 32; ++l)
-        for (int r = 0; r < 4; ++r)
-          for (int h = 0; h < 2; ++h)
-            if (slot[nv::ds_chunk(band, kk, l)][r][h] != ds[16 * band + nv::a_row(l, r)][16 * kk + nv::a_col(l, r, h)])
-              ++wrong;
-  CHECK(wrong == 0);
+        for (int band = 0; band < 4; ++band)
+          for (int r = 0; r < 4; ++r)
+            for (int h = 0; h < 2; ++h) {
+              const int e = nv::p_elem(band, r, h);
+              const int key = 16 * kk + nv::elem_row(l, e), query = nv::elem_col(l, e);
+              frag[l][band][r][h] = 16 * kk + nv::a_row(l, r) < valid ? ds[query][key] : 0.0; // dSᵀ's accumulator
+            }
+      for (int band = 0; band < 4; ++band)
+        for (int r = 0; r < 4; ++r) {
+          std::array<reg2, 32> packed{};
+          for (int l = 0; l < 32; ++l) packed[l] = frag[l][band][nv::ds_frag_reg(r)];
+          const std::array<reg2, 32> t = movmatrix(packed);
+          for (int l = 0; l < 32; ++l) {
+            slot[nv::ds_chunk(band, kk, l)][r] = t[l];
+            if (r == 0) ++writes[nv::ds_chunk(band, kk, l)];
+          }
+        }
+    }
+    CHECK(std::all_of(writes.begin(), writes.end(), [](int w) { return w == 1; })); // every chunk once
+    int wrong = 0;
+    for (int band = 0; band < 4; ++band) // dq's warps
+      for (int kk = 0; kk < 4; ++kk)
+        for (int l = 0; l < 32; ++l)
+          for (int r = 0; r < 4; ++r)
+            for (int h = 0; h < 2; ++h) {
+              const int query = 16 * band + nv::a_row(l, r), key = 16 * kk + nv::a_col(l, r, h);
+              if (slot[nv::ds_chunk(band, kk, l)][r][h] != (key < valid ? ds[query][key] : 0.0)) ++wrong;
+            }
+    CHECK(wrong == 0);
+  }
 }
 
 TEST_CASE("amd lane layout: fragment functions are the CDNA 16x16x16 tables", "[cpu]") {

@@ -187,6 +187,7 @@ template <class E, int D> struct warpgroup_mma : warp_mma<E, D> {
   using base = warp_mma<E, D>;
   using typename base::out_tile;
   using typename base::row_frag;
+  using typename base::score_frag;
   using typename base::score_tile;
 
   // Descriptor of k step ks of a K-major tile (16 head-dim columns of all 64 rows).
@@ -228,12 +229,9 @@ template <class E, int D> struct warpgroup_mma : warp_mma<E, D> {
 #pragma unroll
       for (int r = 0; r < 4; ++r) a[kk][r] = E::pack(p.x[nv_lanes::p_elem(kk, r, 0)], p.x[nv_lanes::p_elem(kk, r, 1)]);
   }
-  // o += P · B, P the score tile rounded to E (A operand in registers, as with mma.sync), B MN-major; over the
-  // first W columns of P and rows of b only.
-  template <int W = tile_rows>
-  __device__ __forceinline__ static void nn(out_tile& o, const score_tile& p, smem_tile<D> b) {
-    uint32_t a[W / 16][4];
-    pack_steps<W>(a, p);
+  // o += A · B over the first W/16 k steps, A already rounded to E (registers), B MN-major.
+  template <int W, int K>
+  __device__ __forceinline__ static void nn_steps(out_tile& o, const uint32_t (&a)[K][4], smem_tile<D> b) {
     wgmma::pin(o.x);
     wgmma::fence();
 #pragma unroll
@@ -242,14 +240,27 @@ template <class E, int D> struct warpgroup_mma : warp_mma<E, D> {
     wgmma::wait<0>();
     wgmma::pin(o.x);
   }
+  // o += P · B, P the score tile rounded to E (A operand in registers, as with mma.sync), B MN-major; over the
+  // first W columns of P and rows of b only.
+  template <int W = tile_rows>
+  __device__ __forceinline__ static void nn(out_tile& o, const score_tile& p, smem_tile<D> b) {
+    uint32_t a[W / 16][4];
+    pack_steps<W>(a, p);
+    nn_steps<W>(o, a, b);
+  }
+  // nn with P given as A fragments already rounded to E (the mma.sync backend's score_frag, whose pack_rows forms
+  // dSᵀ in dk/dv for both its product and its store); here rather than the inherited mma.sync nn_frags, so that
+  // the product stays on wgmma.
+  template <int W = tile_rows>
+  __device__ __forceinline__ static void nn_frags(out_tile& o, const score_frag& a, smem_tile<D> b) {
+    nn_steps<W>(o, a.x, b);
+  }
   // Split forms of nt and nn for a loop that overlaps the products with its own softmax: each issues its chain
   // of wgmma as one group and returns at once. The caller waits with wait_groups<N> (every group but the N
   // issued last is complete) before it reads or writes the accumulator, or overwrites the registers of P, of a
   // group still in flight. nt_into writes s = A · Bᵀ (its first k step does not accumulate), so s needs no
   // zeros.
-  struct prob_frag { // P rounded to E, as the A operand of nn (four k steps of 16 keys)
-    uint32_t x[4][4];
-  };
+  using prob_frag = score_frag; // P rounded to E, as the A operand of nn (four k steps of 16 keys)
   __device__ __forceinline__ static void pack(prob_frag& a, const score_tile& p) { pack_steps<tile_rows>(a.x, p); }
   //
   // ptxas keeps wgmma groups in flight across other instructions only where nothing but wgmma defines a
@@ -322,8 +333,14 @@ template <class E, int D> struct warpgroup_mma : warp_mma<E, D> {
   }
   __device__ __forceinline__ static void nn_pair(out_tile& o1, const score_tile& p1, smem_tile<D> c1, out_tile& o2,
                                                  const score_tile& p2, smem_tile<D> c2) {
-    prob_frag a1, a2;
+    prob_frag a1;
     pack(a1, p1);
+    nn_pair(o1, a1, c1, o2, p2, c2);
+  }
+  // The same with p1 given as A fragments already rounded to E (the matrix layer's nn_pair of a score_frag).
+  __device__ __forceinline__ static void nn_pair(out_tile& o1, prob_frag a1, smem_tile<D> c1, out_tile& o2,
+                                                 const score_tile& p2, smem_tile<D> c2) {
+    prob_frag a2;
     pack(a2, p2);
     pin(a1);
     pin(a2);

@@ -75,13 +75,12 @@ VSA_HOST_DEVICE constexpr int movmatrix_src_col(int lane) { return lane >> 2; }
 // ds_chunk(band, kk, lane) holds lane `lane`'s A fragment of the band's 16 query rows at the 16-wide key step
 // kk, so that a dq warp reads its band as four chunks a lane, contiguous across the warp's lanes.
 VSA_HOST_DEVICE constexpr int ds_chunk(int band, int kk, int lane) { return (band * 4 + kk) * lanes + lane; }
-// dk/dv's warp kk holds dSᵀ of keys 16kk … 16kk + 15 (its score tile's rows) against the 64 queries: register r
-// of the A fragment of query band `band` is, before the transpose, the 8 × 8 block of its score elements
-// ds_source_elem(band, r, h) (h = 0, 1; query octet 2·band + r mod 2, key half ⌊r/2⌋), one movmatrix.trans
-// a register.
-VSA_HOST_DEVICE constexpr int ds_source_elem(int band, int reg, int half) {
-  return (2 * band + (reg & 1)) * 4 + 2 * (reg >> 1) + half;
-}
+// dk/dv's warp kk holds dSᵀ of keys 16kk … 16kk + 15 (its score tile's rows) against the 64 queries, rounded to E
+// once as the A fragments of dK's product (p_elem: k step `band` is query band `band`). Register r of dq's A
+// fragment of query band `band` is, before the transpose, register ds_frag_reg(r) of k step `band` of those
+// fragments (query octet 2·band + r mod 2, key half ⌊r/2⌋: the A register that holds rows 8⌊r/2⌋ … and columns
+// 8(r mod 2) …), one movmatrix.trans a register, so the store moves the registers the product reads.
+VSA_HOST_DEVICE constexpr int ds_frag_reg(int reg) { return 2 * (reg & 1) + (reg >> 1); }
 
 // The lanes that share a row differ in the two low bits: reduce over xor row_xor_mask(0), row_xor_mask(1).
 VSA_HOST_DEVICE constexpr int row_xor_mask(int step) { return 1 << step; }

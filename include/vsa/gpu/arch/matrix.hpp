@@ -20,8 +20,9 @@
 //   nn_t(o, p, bt), copy_transposed    MFMA backend only (nn_from_transposed): nn from a tile stored
 //                                      transposed, and the copy that stores it so; the kernels reach them
 //                                      through nn_operand and copy_nn_operand (free functions)
-//   store_transposed, nn_frags         mma.sync backend only (stores_score_frags): a score tile stored
-//                                      transposed as A fragments, and nn from such fragments
+//   pack_rows, store_transposed,       mma.sync backend only (stores_score_frags): a score tile rounded once to
+//   nn_frags                           A fragments (score_frag), stored transposed as dq's, and nn from such
+//                                      fragments (the wgmma backend has its own nn_frags)
 //   tn(o, a, panel, b)                 wgmma backend only: o += aᵀ · b over the 64 rows of two shared tiles,
 //                                      aᵀ the 64 columns of one panel of a, read transposed
 //   tn_sums(o, sa, sb, a, panel, b, ones)
@@ -58,7 +59,7 @@ template <class E, int D> using attention_mma = warp_mma<E, D>;
 
 // Two independent products whose results are read only after both: s1 = a1 · b1ᵀ and s2 = a2 · b2ᵀ (nt_pair,
 // a1 and a2 the band's rows row0.. of shared tiles; nt_pair<M, W> over the first W rows of b1 and b2 only, as
-// nt<W>), o1 += p1 · c1 and o2 += p2 · c2 (nn_pair). A backend that
+// nt<W>), o1 += p1 · c1 and o2 += p2 · c2 (nn_pair; p1, p2 as nn_of takes them). A backend that
 // can keep both in flight says so (one_group_pairs) and has members of these names: the wgmma backend issues
 // both chains as one group with one wait. The others run them in turn.
 template <class M, class = void> struct one_group_pairs : std::false_type {};
@@ -77,14 +78,25 @@ __device__ __forceinline__ void nt_pair(typename M::score_tile& s1, smem_tile<D>
     M::template nt<W>(s2, a2, row0, b2);
   }
 }
-template <class M, int D>
-__device__ __forceinline__ void nn_pair(typename M::out_tile& o1, const typename M::score_tile& p1, smem_tile<D> c1,
-                                        typename M::out_tile& o2, const typename M::score_tile& p2, smem_tile<D> c2) {
+// o += p · c for nn_pair: p a score tile (nn) or, on a backend with score fragments (stores_score_frags), the A
+// fragments of one already rounded to E (score_frag, nn_frags: dSᵀ in dk/dv, whose registers are also stored for
+// dq).
+template <class M, class P, int D>
+__device__ __forceinline__ void nn_of(typename M::out_tile& o, const P& p, smem_tile<D> c) {
+  if constexpr (std::is_same_v<P, typename M::score_tile>) {
+    M::nn(o, p, c);
+  } else {
+    M::nn_frags(o, p, c);
+  }
+}
+template <class M, class P1, class P2, int D>
+__device__ __forceinline__ void nn_pair(typename M::out_tile& o1, const P1& p1, smem_tile<D> c1,
+                                        typename M::out_tile& o2, const P2& p2, smem_tile<D> c2) {
   if constexpr (one_group_pairs<M>::value) {
     M::nn_pair(o1, p1, c1, o2, p2, c2);
   } else {
-    M::nn(o1, p1, c1);
-    M::nn(o2, p2, c2);
+    nn_of<M>(o1, p1, c1);
+    nn_of<M>(o2, p2, c2);
   }
 }
 
@@ -145,8 +157,8 @@ __device__ __forceinline__ void nn_operand(typename M::out_tile& o, const typena
 }
 
 // Whether the backend can store a score tile transposed as the A fragments of a later product and run that
-// product from them (store_transposed, frag_chunk, nn_frags, score_frag: the mma.sync backend), which dq from
-// the dS that dk/dv stores needs (detail/attention_dq_stored.hpp). The MFMA backend has no such members yet.
+// product from them (pack_rows, store_transposed, frag_chunk, nn_frags, score_frag: the mma.sync backend), which dq
+// from the dS that dk/dv stores needs (detail/attention_dq_stored.hpp). The MFMA backend has no such members yet.
 template <class M, class = void> struct stores_score_frags : std::false_type {};
 template <class M> struct stores_score_frags<M, std::void_t<decltype(M::stores_score_frags)>>
     : std::bool_constant<M::stores_score_frags> {};

@@ -154,25 +154,44 @@ template <class E, int D> struct warp_mma {
     asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
     return y;
   }
-  // Stores the transpose of a score tile t as the 64 × 64 tile that dq's product takes as its A operand: this warp
-  // holds t's rows row0 … row0 + 15 (keys, dSᵀ in dk/dv), which are the columns of k step row0 / 16 of every query
-  // band. Rows at or past `valid` are stored as zeros (the padding keys of a partial tile, whose scores are not
-  // masked in dk/dv). Tile is the score tile of any backend with this lane layout (the wgmma backend's too).
+  // dSᵀ in dk/dv rounded to E once for both of its uses: the A fragments of dK's product (nn_frags; the registers
+  // nn forms from a score tile, p_elem) and the copy that store_transposed stores for dq. Rows at or past `valid`
+  // are zeros: they are the padding keys of a partial tile, whose scores dk/dv does not mask, and dq must read
+  // zeros there. The same zeros in dK's product change only dK's rows at or past `valid` (row r of dSᵀ · Q is row
+  // r of dK), which are never stored: store_band writes zeros, not the accumulator, in those rows. Each register is
+  // converted first and then selected, so that the selects do not branch around the conversions. Tile is the
+  // score tile of any backend with this lane layout (the wgmma backend's too).
   template <class Tile>
-  __device__ __forceinline__ static void store_transposed(uint16_t* slot, const Tile& t, int row0, int valid) {
+  __device__ __forceinline__ static void pack_rows(score_frag& a, const Tile& t, int row0, int valid) {
+    const int l = lane();
+#pragma unroll
+    for (int kk = 0; kk < tile_rows / 16; ++kk)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const uint32_t x = E::pack(t.x[nv_lanes::p_elem(kk, r, 0)], t.x[nv_lanes::p_elem(kk, r, 1)]);
+        a.x[kk][r] = row0 + nv_lanes::a_row(l, r) < valid ? x : 0u;
+      }
+  }
+  // Stores the transpose of a band given as A fragments (pack_rows) as the 64 × 64 tile that dq's product takes as
+  // its A operand: this warp holds the band's rows row0 … row0 + 15 (keys, dSᵀ in dk/dv), which are the columns of
+  // k step row0 / 16 of every query band. Each register is transposed as it is (ds_frag_reg), so dq reads the
+  // values that dK's product multiplied.
+  __device__ __forceinline__ static void store_transposed(uint16_t* slot, const score_frag& a, int row0) {
     const int l = lane(), kk = row0 / 16;
-    const bool low = row0 + nv_lanes::slot_row(l, 0) < valid, high = row0 + nv_lanes::slot_row(l, 1) < valid;
 #pragma unroll
     for (int band = 0; band < tile_rows / 16; ++band) {
       uint32_t r[4];
 #pragma unroll
-      for (int reg = 0; reg < 4; ++reg) {
-        const bool keep = (reg >> 1) == 0 ? low : high; // key half ⌊reg/2⌋ is the lane's row slot
-        const float x0 = t.x[nv_lanes::ds_source_elem(band, reg, 0)], x1 = t.x[nv_lanes::ds_source_elem(band, reg, 1)];
-        r[reg] = transpose8x8(keep ? E::pack(x0, x1) : 0u);
-      }
-      *reinterpret_cast<uint4*>(slot + 8 * nv_lanes::ds_chunk(band, kk, l)) = make_uint4(r[0], r[1], r[2], r[3]);
+      for (int reg = 0; reg < 4; ++reg) r[reg] = transpose8x8(a.x[band][nv_lanes::ds_frag_reg(reg)]);
+      store16(slot + 8 * nv_lanes::ds_chunk(band, kk, l), r);
     }
+  }
+  // One 16-byte store to global memory. A uint4 assigned through the slot pointer came out of NVVM (CUDA 13.0) as
+  // four 4-byte stores in the dk/dv kernel, though as one in a kernel of the store alone: 16 store instructions a
+  // step instead of 4, each a quarter as wide.
+  __device__ __forceinline__ static void store16(uint16_t* p, const uint32_t (&r)[4]) {
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+                 : "memory");
   }
 
   // The chunk of a stored tile that lane `lane` of the warp on rows row0 … reads for its A fragment at k step kk.

@@ -370,11 +370,19 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), backward_min_bl
       dp.x[e] = pr * (dp.x[e] - delta(c)); // dSᵀ
     }
     if constexpr (StoreDs) {
+      // dSᵀ rounded to E once, its padding keys zeroed (pack_rows says why that is safe for dK), and the same
+      // registers both stored for dq and multiplied into dK: one conversion a pair of elements. dK's product goes
+      // first, so that dSᵀ's registers are free before dV's: in the other order ptxas kept one value on the stack
+      // at D = 128 (sm_80 build, 255 registers), reloaded every step.
       static_assert(stores_score_frags<warp_mma<E, D>>::value, "the backend stores no score fragments");
+      typename warp_mma<E, D>::score_frag ds;
+      warp_mma<E, D>::pack_rows(ds, dp, row0, kv);
       const int64_t slot = pos - p.ds_head0 * s.tiles * s.capacity;
-      warp_mma<E, D>::store_transposed(p.ds + slot * (tile_rows * tile_rows), dp, row0, kv);
+      warp_mma<E, D>::store_transposed(p.ds + slot * (tile_rows * tile_rows), ds, row0);
+      nn_pair<M>(dk, ds, sq(buf), dv, st, sdo(buf));
+    } else {
+      nn_pair<M>(dv, st, sdo(buf), dk, dp, sq(buf));
     }
-    nn_pair<M>(dv, st, sdo(buf), dk, dp, sq(buf));
 
     if (stages == 1) {
       __syncthreads();

@@ -213,9 +213,15 @@ __global__ void __launch_bounds__(block_threads, 1)
 #pragma unroll
     for (int e = 0; e < M::score_elems; ++e)
       x.x[e] = live(e, qv) ? score_handoff::at(pw, e) * (x.x[e] - delta[M::elem_col(e)]) : 0.f;
+    // StoreDs: here dSᵀ is still rounded twice, for this store and by overlapped_steps' pack of dK's operand, which
+    // first waits for the product in flight (16 more conversions a step in the sm_90a SASS). One rounding would take
+    // the store out of this step to after that pack (into the next step, under its products); not done while
+    // Hopper's table has dq recompute dS (tuning/hopper.hpp), which leaves this path unused.
     if constexpr (StoreDs) { // `it` is at pair n (overlapped_steps)
       const int64_t slot = it.pos - p.ds_head0 * s.tiles * s.capacity;
-      warp_mma<E, D>::store_transposed(p.ds + slot * (tile_rows * tile_rows), x, row0, kv);
+      typename warp_mma<E, D>::score_frag ds;
+      warp_mma<E, D>::pack_rows(ds, x, row0, kv);
+      warp_mma<E, D>::store_transposed(p.ds + slot * (tile_rows * tile_rows), ds, row0);
     }
     tma::clear_rows_then<D>(sq(buf), qv, wtid, 128, tile_rows, [] { tma::named_sync(consumer1_barrier, 128); });
   };
