@@ -9,6 +9,7 @@
 #include "reference/combine.hpp"
 #include "reference/detail.hpp"
 #include "reference/index.hpp"
+#include "reference/joint.hpp"
 #include "reference/layout.hpp"
 #include "reference/linear_attention.hpp"
 #include "reference/op.hpp"

@@ -193,6 +193,25 @@ inline const_index_lists as_const(const index_lists& x) {
   return {x.q2k, x.q2k_count, x.q2k_capacity, x.k2q, x.k2q_offset};
 }
 
+// Joint attention (HunyuanVideo and the like): one sequence holds the video's tokens and `count` text or
+// condition tokens, the extra tokens, before the video (first) or after it. A tensor of the joint op holds
+// S = N·64 + count tokens: the video part is N·64 slots in tiled order (tile_geometry::tiled_tokens()), laid out
+// exactly as the tensors of the video-only op, and the extra tokens are plain rows, any count, with no padding:
+//   first = true:  [count extra tokens][N·64 video slots]
+//   first = false: [N·64 video slots][count extra tokens]
+// (An output of the whole op in raster order holds T·H·W video tokens in place of the N·64 slots.)
+// A video query attends to the key tiles selected for it and to every extra token; an extra query attends to
+// every valid video token and every extra token. The coarse branch, the selection and the gate see the video
+// part only. count = 0 is the video-only op.
+struct extra_tokens {
+  int64_t count = 0;
+  bool first = false; // the extra tokens precede the video tokens
+
+  // Token of the first video slot, and of the first extra token, in a joint tensor of `video` video tokens.
+  VSA_HOST_DEVICE int64_t video_start() const { return first ? count : 0; }
+  VSA_HOST_DEVICE int64_t extra_start(int64_t video) const { return first ? 0 : video; }
+};
+
 // Feature map of the linear-attention branch.
 enum class feature_map : int { softmax = 0, elu1 = 1, relu = 2 };
 

@@ -87,6 +87,21 @@ inline status check_problem(const problem& p, target where) {
   return status::ok();
 }
 
+// The extra tokens of the joint op (extra_tokens): a count >= 0 whose tensors, batch · heads · (N·64 + count) ·
+// head_dim elements, stay far from int64 overflow as the video's do (check_problem runs first).
+inline status check_extra_tokens(const problem& p, const extra_tokens& extra) {
+  if (extra.count < 0)
+    return status::error(errc::bad_argument, "extra.count: must be >= 0, got %lld", (long long)extra.count);
+  const int64_t slots = tile_geometry(p.grid).tiled_tokens();
+  const int64_t tokens = extra.count > detail::size_limit - slots ? -1 : slots + extra.count;
+  const int64_t elems =
+      detail::checked_mul(detail::checked_mul(tokens, p.q_heads), detail::checked_mul(p.batch, p.head_dim));
+  if (elems < 0)
+    return status::error(errc::bad_argument, "extra.count: %lld tokens with batch %lld and %lld heads overflow",
+                         (long long)extra.count, (long long)p.batch, (long long)p.q_heads);
+  return status::ok();
+}
+
 // A [B, S, H, D] view: present, S as expected, head dim contiguous, no two (b, s, h) rows overlapping,
 // and (for the GPU) 16-byte aligned rows.
 template <class Ptr> status check_tensor(const char* name, const basic_tensor<Ptr>& x, const problem& p, int64_t heads,
@@ -121,6 +136,17 @@ template <class Ptr> status check_tensor(const char* name, const basic_tensor<Pt
                            (long long)vec);
   }
   return status::ok();
+}
+
+// A tensor of the joint op: `video` video tokens (N·64 slots, or T·H·W for an output in raster order) and the
+// extra tokens; the message names both parts. With no extra tokens it is check_tensor.
+template <class Ptr> status check_joint_tensor(const char* name, const basic_tensor<Ptr>& x, const problem& p,
+                                               int64_t heads, int64_t video, const extra_tokens& extra, target where) {
+  if (x.data != nullptr && extra.count != 0 && x.tokens != video + extra.count)
+    return status::error(errc::bad_tokens, "%s: holds %lld tokens, %lld video and %lld extra tokens need %lld", name,
+                         (long long)x.tokens, (long long)video, (long long)extra.count,
+                         (long long)(video + extra.count));
+  return check_tensor(name, x, p, heads, video + extra.count, where);
 }
 
 // The memory an argument covers, for the aliasing checks (check_disjoint): its byte interval, and for a
@@ -225,7 +251,8 @@ inline status check_disjoint(std::initializer_list<footprint> outputs, std::init
 // The aliasing checks of the whole op's passes and of the sparse stage, one list of arguments each for the GPU
 // entry points and the reference: `state` and `scratch` with the bytes the pass uses, `lists` the caller's q2k
 // lists (empty where the op selects its own), `workspace` the sparse backward's (null for the reference, which
-// takes none), k2q read where `with_k2q`.
+// takes none), k2q read where `with_k2q`, `extra` the joint op's extra tokens (they lengthen the sparse pass's lse;
+// the views carry their own token counts).
 inline status check_forward_disjoint(const problem& p, const forward_io& io, const void* state, std::size_t state_bytes,
                                      const void* scratch, std::size_t scratch_bytes, const const_index_lists& lists) {
   const list_footprints l = lists_footprint(p, lists, false);
@@ -291,8 +318,10 @@ inline status check_combine_backward_disjoint(const problem& p, const const_tens
       {view_footprint("d_o", d_o, p, p.q_heads), view_footprint("gate", gate, p, p.q_heads),
        buffer_footprint("o_c", o_c, coarse_bytes(p))});
 }
-inline std::size_t lse_bytes(const problem& p) {
-  return sizeof(float) * static_cast<std::size_t>(p.batch * p.q_heads * tile_geometry(p.grid).tiled_tokens());
+// The bytes of the sparse pass's lse, [B, Hq, N·64 + extra tokens] fp32.
+inline std::size_t lse_bytes(const problem& p, const extra_tokens& extra = {}) {
+  return sizeof(float) *
+         static_cast<std::size_t>(p.batch * p.q_heads * (tile_geometry(p.grid).tiled_tokens() + extra.count));
 }
 // block_means: the means (and their fp32 copies) against each other and the tensors they are taken of.
 inline status check_means_disjoint(const problem& p, const const_tensor& q, const const_tensor& k,
@@ -356,9 +385,9 @@ inline status check_coarse_backward_disjoint(const problem& p, const void* q_c, 
 }
 inline status check_sparse_forward_disjoint(const problem& p, const const_tensor& q, const const_tensor& k,
                                             const const_tensor& v, const const_index_lists& idx, const tensor& o_s,
-                                            const float* lse) {
+                                            const float* lse, const extra_tokens& extra = {}) {
   const list_footprints l = lists_footprint(p, idx, false);
-  return check_disjoint({view_footprint("o_s", o_s, p, p.q_heads), buffer_footprint("lse", lse, lse_bytes(p))},
+  return check_disjoint({view_footprint("o_s", o_s, p, p.q_heads), buffer_footprint("lse", lse, lse_bytes(p, extra))},
                         {view_footprint("q", q, p, p.q_heads), view_footprint("k", k, p, p.kv_heads),
                          view_footprint("v", v, p, p.kv_heads), l.q2k, l.count});
 }
@@ -366,15 +395,16 @@ inline status check_sparse_backward_disjoint(const problem& p, const const_tenso
                                              const const_tensor& v, const const_tensor& o_s, const const_tensor& d_o,
                                              const float* lse, const const_index_lists& idx, bool with_k2q,
                                              const tensor& dq, const tensor& dk, const tensor& dv,
-                                             const void* workspace, std::size_t workspace_bytes) {
+                                             const void* workspace, std::size_t workspace_bytes,
+                                             const extra_tokens& extra = {}) {
   const list_footprints l = lists_footprint(p, idx, with_k2q);
   return check_disjoint({view_footprint("dq", dq, p, p.q_heads), view_footprint("dk", dk, p, p.kv_heads),
                          view_footprint("dv", dv, p, p.kv_heads),
                          buffer_footprint("workspace", workspace, workspace_bytes)},
                         {view_footprint("q", q, p, p.q_heads), view_footprint("k", k, p, p.kv_heads),
                          view_footprint("v", v, p, p.kv_heads), view_footprint("o_s", o_s, p, p.q_heads),
-                         view_footprint("d_o", d_o, p, p.q_heads), buffer_footprint("lse", lse, lse_bytes(p)), l.q2k,
-                         l.count, l.k2q, l.offset});
+                         view_footprint("d_o", d_o, p, p.q_heads), buffer_footprint("lse", lse, lse_bytes(p, extra)),
+                         l.q2k, l.count, l.k2q, l.offset});
 }
 // linear_attention_forward: o_l, the state it leaves (null where none is kept) and the workspace against each other
 // and q, k, v (the reference keeps no state and takes no workspace: null and 0). In place (o_l as q's own view) is

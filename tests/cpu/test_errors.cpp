@@ -133,6 +133,17 @@ struct world {
                                                         dv.view()));
     r.emplace_back("forward", reference::forward(pp, opt, fwd(), workspace.data(), bytes));
     r.emplace_back("backward", reference::backward(pp, opt, bwd(), workspace.data(), bytes));
+    // The joint op with no extra tokens takes the same tensors.
+    const extra_tokens none{};
+    r.emplace_back("joint_sparse_attention_forward",
+                   reference::joint_sparse_attention_forward(pp, none, scale, q.cview(), k.cview(), v.cview(),
+                                                             as_const(idx), o.view(), lse.data()));
+    r.emplace_back("joint_sparse_attention_backward",
+                   reference::joint_sparse_attention_backward(pp, none, scale, q.cview(), k.cview(), v.cview(),
+                                                              o.cview(), d_o.cview(), lse.data(), as_const(idx),
+                                                              dq.view(), dk.view(), dv.view()));
+    r.emplace_back("joint_forward", reference::joint_forward(pp, none, opt, fwd(), workspace.data(), bytes));
+    r.emplace_back("joint_backward", reference::joint_backward(pp, none, opt, bwd(), workspace.data(), bytes));
     return r;
   }
 };

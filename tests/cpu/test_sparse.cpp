@@ -10,37 +10,16 @@ using namespace vsa;
 using test::host_tensor;
 using test::layout;
 using test::make_problem;
+using test::q2k_lists;
+using test::random_lists;
 
 namespace {
-
-struct q2k_lists {
-  int64_t capacity;
-  std::vector<int32_t> q2k, count;
-  const_index_lists view() const { return {q2k.data(), count.data(), capacity, nullptr, nullptr}; }
-};
 
 q2k_lists full_lists(const problem& p) {
   const int64_t n = tile_geometry(p.grid).num_tiles(), rows = p.batch * p.q_heads * n;
   q2k_lists x{n, {}, std::vector<int32_t>(static_cast<std::size_t>(rows), static_cast<int32_t>(n))};
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t j = 0; j < n; ++j) x.q2k.push_back(static_cast<int32_t>(j));
-  return x;
-}
-
-// Random ascending lists of 0..capacity tiles; every 7th row empty.
-q2k_lists random_lists(const problem& p, int64_t capacity, test::rng& g) {
-  const int64_t n = tile_geometry(p.grid).num_tiles(), rows = p.batch * p.q_heads * n;
-  q2k_lists x{capacity, std::vector<int32_t>(static_cast<std::size_t>(rows * capacity), -1),
-              std::vector<int32_t>(static_cast<std::size_t>(rows))};
-  for (int64_t r = 0; r < rows; ++r) {
-    std::vector<int32_t> all(static_cast<std::size_t>(n));
-    for (int64_t j = 0; j < n; ++j) all[j] = static_cast<int32_t>(j);
-    std::shuffle(all.begin(), all.end(), g.engine());
-    const int64_t c = r % 7 == 3 ? 0 : g.integer(1, capacity);
-    std::sort(all.begin(), all.begin() + c);
-    std::copy(all.begin(), all.begin() + c, x.q2k.begin() + r * capacity);
-    x.count[r] = static_cast<int32_t>(c);
-  }
   return x;
 }
 

@@ -233,6 +233,30 @@ inline std::vector<int64_t> tiled_slots(grid3 g) {
   return slot;
 }
 
+// Caller-supplied q2k lists of the sparse pass, owned: rows of `capacity` entries and their counts.
+struct q2k_lists {
+  int64_t capacity;
+  std::vector<int32_t> q2k, count;
+  const_index_lists view() const { return {q2k.data(), count.data(), capacity, nullptr, nullptr}; }
+};
+
+// Random ascending lists of 0..capacity tiles; every 7th row empty.
+inline q2k_lists random_lists(const problem& p, int64_t capacity, rng& g) {
+  const int64_t n = tile_geometry(p.grid).num_tiles(), rows = p.batch * p.q_heads * n;
+  q2k_lists x{capacity, std::vector<int32_t>(static_cast<std::size_t>(rows * capacity), -1),
+              std::vector<int32_t>(static_cast<std::size_t>(rows))};
+  for (int64_t r = 0; r < rows; ++r) {
+    std::vector<int32_t> all(static_cast<std::size_t>(n));
+    for (int64_t j = 0; j < n; ++j) all[j] = static_cast<int32_t>(j);
+    std::shuffle(all.begin(), all.end(), g.engine());
+    const int64_t c = r % 7 == 3 ? 0 : g.integer(1, capacity);
+    std::sort(all.begin(), all.begin() + c);
+    std::copy(all.begin(), all.begin() + c, x.q2k.begin() + r * capacity);
+    x.count[r] = static_cast<int32_t>(c);
+  }
+  return x;
+}
+
 // Fills the valid slots of a tiled tensor with normal values and its padding slots with zeros.
 inline void fill_tiled_normal(host_tensor& x, grid3 g, rng& r, double stddev = 1.0) {
   const tile_geometry geo(g);

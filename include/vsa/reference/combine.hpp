@@ -67,8 +67,10 @@ inline void combine_backward_core(const problem& p, const const_tensor& d_o, con
   });
 }
 
-// The gate and its gradient: both present, or both absent (g = 1).
-inline status check_gate(const problem& p, const const_tensor& gate, const void* dgate_data, bool want_dgate) {
+// The gate and its gradient: both present, or both absent (g = 1). A joint op's gate holds the extra tokens too,
+// as q does (they are not read).
+inline status check_gate(const problem& p, const const_tensor& gate, const void* dgate_data, bool want_dgate,
+                         const extra_tokens& extra = {}) {
   if (gate.data == nullptr) {
     if (want_dgate && dgate_data != nullptr)
       return status::error(errc::bad_argument, "dgate: must be null when gate is null (g = 1 has no gradient)");
@@ -76,7 +78,7 @@ inline status check_gate(const problem& p, const const_tensor& gate, const void*
   }
   if (want_dgate && dgate_data == nullptr)
     return status::error(errc::null_pointer, "dgate: data is null while gate is given");
-  return check_tiled("gate", gate, p, p.q_heads);
+  return check_tiled("gate", gate, p, p.q_heads, extra);
 }
 
 } // namespace detail

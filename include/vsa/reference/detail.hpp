@@ -128,17 +128,34 @@ inline void gather(const problem& p, int64_t heads, const const_tensor& x, doubl
   });
 }
 
-// Dense [B, H, S, D] doubles -> strided tensor, rounded to p.type.
-inline void scatter(const problem& p, int64_t heads, const double* in, const tensor& x) {
-  const dense_shape shape{p.batch, heads, x.tokens, p.head_dim};
-  const const_tensor c = as_const(x);
+// Every row of `from` (elements of from_type) into `to`, rounded to p.type; both views of to.tokens tokens.
+inline void copy_rows(const problem& p, int64_t heads, const const_tensor& from, dtype from_type, const tensor& to) {
+  const const_tensor out = as_const(to);
   parallel_for(p.batch * heads, [&](int64_t begin, int64_t end) {
+    std::vector<double> row(static_cast<std::size_t>(p.head_dim));
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / heads, h = bh % heads;
-      for (int64_t s = 0; s < x.tokens; ++s)
-        store_row(x.data, tensor_offset(c, b, s, h), p.head_dim, p.type, in + shape.row(b, h, s));
+      for (int64_t s = 0; s < to.tokens; ++s) {
+        load_row(from.data, tensor_offset(from, b, s, h), p.head_dim, from_type, row.data());
+        store_row(to.data, tensor_offset(out, b, s, h), p.head_dim, p.type, row.data());
+      }
     }
   });
+}
+
+// Dense [B, H, S, D] doubles -> strided tensor, rounded to p.type.
+inline void scatter(const problem& p, int64_t heads, const double* in, const tensor& x) {
+  copy_rows(p, heads, bhsd<const void*>(in, p.batch, x.tokens, heads, p.head_dim), dtype::f64, x);
+}
+
+// Tokens first .. first + count of a view of elements of type t (the video part or the extra part of a joint
+// tensor). A null view stays null: an absent gate.
+template <class Ptr> basic_tensor<Ptr> token_range(const basic_tensor<Ptr>& x, int64_t first, int64_t count, dtype t) {
+  using byte = typename std::conditional<std::is_const<typename std::remove_pointer<Ptr>::type>::value,
+                                         const unsigned char, unsigned char>::type;
+  const int64_t offset = first * x.token_stride * static_cast<int64_t>(dtype_size(t));
+  const Ptr data = x.data == nullptr ? x.data : static_cast<Ptr>(static_cast<byte*>(x.data) + offset);
+  return {data, count, x.batch_stride, x.token_stride, x.head_stride};
 }
 
 // Contiguous typed array of n elements <-> doubles.
@@ -169,9 +186,10 @@ inline void axpy(double alpha, const double* x, double* y, int64_t n) {
 
 inline bool is_plus_inf(double x) { return std::isinf(x) && x > 0.0; }
 
-// Validates a tiled tensor of `heads` heads.
-template <class Ptr> status check_tiled(const char* name, const basic_tensor<Ptr>& x, const problem& p, int64_t heads) {
-  return check_tensor(name, x, p, heads, tile_geometry(p.grid).tiled_tokens(), target::cpu);
+// Validates a tiled tensor of `heads` heads (N·64 slots, and the extra tokens of a joint tensor).
+template <class Ptr> status check_tiled(const char* name, const basic_tensor<Ptr>& x, const problem& p, int64_t heads,
+                                        const extra_tokens& extra = {}) {
+  return check_joint_tensor(name, x, p, heads, tile_geometry(p.grid).tiled_tokens(), extra, target::cpu);
 }
 
 } // namespace detail

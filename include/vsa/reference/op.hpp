@@ -1,5 +1,7 @@
 // The whole op on the host: block means, coarse attention, top-k selection, sparse attention and the
-// gated combination, forward and backward, with the two-phase workspace convention.
+// gated combination, forward and backward, with the two-phase workspace convention. The passes take the joint op's
+// extra tokens (extra_tokens; none for the video-only op here, reference/joint.hpp for the joint op): the coarse
+// stages and the gate see the video part of each tensor, the sparse pass the whole token axis.
 //
 // Values keep double precision between stages; they are rounded to p.type exactly where the GPU
 // pipeline stores them (the means, o_c, the per-tile sum of g ⊙ dO, and the outputs), so for the f64
@@ -21,7 +23,7 @@ namespace detail {
 
 // Offsets of the op's memory: the state, written by the forward and read by the backward (offsets into
 // op_buffers::state), and each pass's scratch (offsets into op_buffers::scratch). The one-workspace form
-// lays the scratch right after the state.
+// lays the scratch right after the state. Arrays of tokens hold the video slots and the extra tokens.
 struct op_layout {
   bool coarse = false;   // false when the caller supplied the q2k lists
   int64_t top_k = 0;     // capacity of the saved q2k lists (coarse path)
@@ -55,9 +57,9 @@ struct op_layout {
     return scratch > SIZE_MAX - state_bytes ? SIZE_MAX : state_bytes + scratch;
   }
 
-  op_layout(const problem& p, bool with_coarse, int64_t k) : coarse(with_coarse), top_k(k) {
+  op_layout(const problem& p, const extra_tokens& extra, bool with_coarse, int64_t k) : coarse(with_coarse), top_k(k) {
     const tile_geometry geo(p.grid);
-    const int64_t n = geo.num_tiles(), slots = geo.tiled_tokens(), dim = p.head_dim;
+    const int64_t n = geo.num_tiles(), slots = geo.tiled_tokens() + extra.count, dim = p.head_dim;
     const int64_t bq = p.batch * p.q_heads, bk = p.batch * p.kv_heads;
     const std::size_t ts = dtype_size(p.type), f64 = sizeof(double);
     const int64_t cn = coarse ? n : 0; // coarse regions vanish without the coarse branch
@@ -130,11 +132,12 @@ struct op_plan {
   int64_t top_k = 0;
 };
 
-// What the workspace size depends on: the problem and how the lists are chosen (top_k / sparsity, or the
-// capacity of the caller's lists). A size query checks only these, as the GPU op does.
-inline status plan_op(const problem& p, const options& opt, op_plan& plan) {
+// What the workspace size depends on: the problem, the extra tokens and how the lists are chosen (top_k /
+// sparsity, or the capacity of the caller's lists). A size query checks only these, as the GPU op does.
+inline status plan_op(const problem& p, const extra_tokens& extra, const options& opt, op_plan& plan) {
   status s = check_problem(p, target::cpu);
   if (!s) return s;
+  if (!(s = check_extra_tokens(p, extra))) return s;
   const int64_t n = tile_geometry(p.grid).num_tiles();
   plan.scale = resolve_scale(p, opt);
   plan.coarse = opt.q2k.q2k == nullptr;
@@ -197,43 +200,54 @@ inline const_index_lists op_lists(const op_plan& plan, const options& opt, const
   return {region<int32_t>(st, layout.q2k), region<int32_t>(st, layout.q2k_count), plan.top_k, nullptr, nullptr};
 }
 
-// An output of the op (o, a gradient) in options::output_order: `write` fills a tiled view of it; in raster order
-// that view is a temporary of N·64 slots, untiled into the caller's tensor afterwards.
-template <class F>
-status write_output(const problem& p, int64_t heads, token_order order, const tensor& out, F&& write) {
+// Tokens first .. first + count of a dense [B, heads, tokens, D] array of doubles, as a view.
+inline const_tensor dense_tokens(const problem& p, int64_t heads, const double* x, int64_t tokens, int64_t first,
+                                 int64_t count) {
+  return token_range(bhsd<const void*>(x, p.batch, tokens, heads, p.head_dim), first, count, dtype::f64);
+}
+
+// An output of the op (o, a gradient) in options::output_order: its extra rows copied from `extras` (a view of as
+// many rows of doubles), its video part filled by `write` through a tiled view; in raster order that view is a
+// temporary of N·64 slots, untiled into the caller's tensor afterwards.
+template <class F> status write_output(const problem& p, const extra_tokens& extra, int64_t heads, token_order order,
+                                       const tensor& out, const const_tensor& extras, F&& write) {
+  const int64_t video = out.tokens - extra.count;
+  if (extra.count > 0)
+    copy_rows(p, heads, extras, dtype::f64, token_range(out, extra.extra_start(video), extra.count, p.type));
+  const tensor part = token_range(out, extra.video_start(), video, p.type);
   if (order == token_order::tiled) {
-    write(out);
+    write(part);
     return status::ok();
   }
   const int64_t slots = tile_geometry(p.grid).tiled_tokens();
   std::vector<unsigned char> bytes(static_cast<std::size_t>(p.batch * slots * heads * p.head_dim) * dtype_size(p.type));
   const tensor tiled = bshd<void*>(bytes.data(), p.batch, slots, heads, p.head_dim);
   write(tiled);
-  return untile(p, heads, as_const(tiled), out);
+  return untile(p, heads, as_const(tiled), part);
 }
-// An output's tensor checked against the token count of options::output_order.
-template <class Ptr>
-status check_output(const char* name, const basic_tensor<Ptr>& x, const problem& p, const options& opt, int64_t heads) {
+// An output's tensor checked against the token count of options::output_order and the extra tokens.
+template <class Ptr> status check_output(const char* name, const basic_tensor<Ptr>& x, const problem& p,
+                                         const extra_tokens& extra, const options& opt, int64_t heads) {
   int64_t tokens = 0;
   const status s = output_tokens(p, opt, tokens);
-  return s ? check_tensor(name, x, p, heads, tokens, target::cpu) : s;
+  return s ? check_joint_tensor(name, x, p, heads, tokens, extra, target::cpu) : s;
 }
 
 // The forward, with the selection's lists taken from `chosen` when it is set (q2k rows of capacity top_k;
 // see forward_on_lists).
-inline status forward_impl(const problem& p, const options& opt, const forward_io& io, op_buffers& buffers,
-                           const const_index_lists* chosen) {
+inline status forward_impl(const problem& p, const extra_tokens& extra, const options& opt, const forward_io& io,
+                           op_buffers& buffers, const const_index_lists* chosen) {
   detail::op_plan plan;
-  status s = detail::plan_op(p, opt, plan);
+  status s = detail::plan_op(p, extra, opt, plan);
   if (!s) return s;
-  const detail::op_layout layout(p, plan.coarse, plan.top_k);
+  const detail::op_layout layout(p, extra, plan.coarse, plan.top_k);
   if (buffers.state == nullptr) return detail::size_query(layout, layout.forward_scratch, buffers);
   if (!(s = detail::check_op_options(p, opt, plan, io.gate))) return s;
-  if (!(s = detail::check_tiled("q", io.q, p, p.q_heads))) return s;
-  if (!(s = detail::check_tiled("k", io.k, p, p.kv_heads))) return s;
-  if (!(s = detail::check_tiled("v", io.v, p, p.kv_heads))) return s;
-  if (!(s = detail::check_output("o", io.o, p, opt, p.q_heads))) return s;
-  if (!(s = detail::check_gate(p, io.gate, nullptr, false))) return s;
+  if (!(s = detail::check_tiled("q", io.q, p, p.q_heads, extra))) return s;
+  if (!(s = detail::check_tiled("k", io.k, p, p.kv_heads, extra))) return s;
+  if (!(s = detail::check_tiled("v", io.v, p, p.kv_heads, extra))) return s;
+  if (!(s = detail::check_output("o", io.o, p, extra, opt, p.q_heads))) return s;
+  if (!(s = detail::check_gate(p, io.gate, nullptr, false, extra))) return s;
   if (!(s = detail::check_buffers(layout, buffers, layout.forward_scratch))) return s;
   const const_index_lists lists = chosen != nullptr ? *chosen : plan.coarse ? const_index_lists{} : opt.q2k;
   if (!(s = check_forward_disjoint(p, io, buffers.state, layout.state_bytes, buffers.scratch, layout.forward_scratch,
@@ -244,6 +258,7 @@ inline status forward_impl(const problem& p, const options& opt, const forward_i
     void* const sc = buffers.scratch;
     const tile_geometry geo(p.grid);
     const int64_t n = geo.num_tiles(), slots = geo.tiled_tokens(), dim = p.head_dim;
+    const int64_t tokens = slots + extra.count, video0 = extra.video_start();
     const int64_t bq = p.batch * p.q_heads, bk = p.batch * p.kv_heads;
     double* q = detail::region<double>(sc, layout.f_q);
     double* k = detail::region<double>(sc, layout.f_k);
@@ -253,16 +268,20 @@ inline status forward_impl(const problem& p, const options& opt, const forward_i
     detail::gather(p, p.kv_heads, io.k, k);
     detail::gather(p, p.kv_heads, io.v, v);
     if (plan.coarse) {
+      // The coarse branch and the selection see the video part only: extra keys never take a slot of the k.
+      const const_tensor qv = detail::token_range(io.q, video0, slots, p.type),
+                         kv = detail::token_range(io.k, video0, slots, p.type),
+                         vv = detail::token_range(io.v, video0, slots, p.type);
       void* q_c = detail::region<void>(st, layout.q_c);
       void* k_c = detail::region<void>(st, layout.k_c);
       void* v_c = detail::region<void>(st, layout.v_c);
-      detail::tile_means(p, p.q_heads, io.q, q_c, p.type);
-      detail::tile_means(p, p.kv_heads, io.k, k_c, p.type);
-      detail::tile_means(p, p.kv_heads, io.v, v_c, p.type);
+      detail::tile_means(p, p.q_heads, qv, q_c, p.type);
+      detail::tile_means(p, p.kv_heads, kv, k_c, p.type);
+      detail::tile_means(p, p.kv_heads, vv, v_c, p.type);
       double* qs = detail::region<double>(st, layout.q_cs);
       double* ks = detail::region<double>(st, layout.k_cs);
-      detail::tile_means(p, p.q_heads, io.q, qs, dtype::f64);
-      detail::tile_means(p, p.kv_heads, io.k, ks, dtype::f64);
+      detail::tile_means(p, p.q_heads, qv, qs, dtype::f64);
+      detail::tile_means(p, p.kv_heads, kv, ks, dtype::f64);
       detail::round_array(qs, bq * n * dim, detail::means_type(p));
       detail::round_array(ks, bk * n * dim, detail::means_type(p));
       double* vc = detail::region<double>(sc, layout.f_vc);
@@ -284,45 +303,38 @@ inline status forward_impl(const problem& p, const options& opt, const forward_i
       }
     }
     double* lse = detail::region<double>(st, layout.lse);
-    detail::sparse_forward_core(p, plan.scale, q, k, v, detail::op_lists(plan, opt, layout, st), o_s, lse);
-    return detail::write_output(p, p.q_heads, opt.output_order, io.o, [&](const tensor& o) {
+    detail::sparse_forward_core(p, plan.scale, q, k, v, detail::op_lists(plan, opt, layout, st), o_s, lse, extra);
+    // The extra rows are their attention output alone: the gate and the coarse term are the video's.
+    const const_tensor extra_rows =
+        detail::dense_tokens(p, p.q_heads, o_s, tokens, extra.extra_start(slots), extra.count);
+    return detail::write_output(p, extra, p.q_heads, opt.output_order, io.o, extra_rows, [&](const tensor& o) {
+      const const_tensor fine = detail::dense_tokens(p, p.q_heads, o_s, tokens, video0, slots);
       if (plan.coarse) {
-        const const_tensor fine = bhsd<const void*>(o_s, p.batch, slots, p.q_heads, dim);
-        detail::combine_core(p, fine, io.gate, detail::region<void>(st, layout.o_c), o, dtype::f64);
+        const const_tensor gate = detail::token_range(io.gate, video0, slots, p.type);
+        detail::combine_core(p, fine, gate, detail::region<void>(st, layout.o_c), o, dtype::f64);
       } else {
-        detail::scatter(p, p.q_heads, o_s, o);
+        detail::copy_rows(p, p.q_heads, fine, dtype::f64, o);
       }
     });
   });
 }
 
-} // namespace detail
-
-// Forward of the whole op, its memory in two parts (op_buffers): buffers.state == nullptr sets both sizes
-// and returns. Otherwise the state must stay untouched until backward() has run on it.
-inline status forward(const problem& p, const options& opt, const forward_io& io, op_buffers& buffers) {
-  return detail::forward_impl(p, opt, io, buffers, nullptr);
-}
-
-// Forward of the whole op in one workspace. workspace == nullptr: sets workspace_bytes and returns.
-// Otherwise the workspace must stay untouched until backward() has run on it.
-inline status forward(const problem& p, const options& opt, const forward_io& io, void* workspace,
-                      std::size_t& workspace_bytes) {
+// The one-workspace form of the forward (workspace == nullptr: sets workspace_bytes).
+inline status forward_whole(const problem& p, const extra_tokens& extra, const options& opt, const forward_io& io,
+                            void* workspace, std::size_t& workspace_bytes) {
   detail::op_plan plan;
-  status s = detail::plan_op(p, opt, plan);
+  status s = detail::plan_op(p, extra, opt, plan);
   if (!s) return s;
-  return detail::in_one_workspace(detail::op_layout(p, plan.coarse, plan.top_k), false, workspace, workspace_bytes,
-                                  [&](op_buffers& b) { return detail::forward_impl(p, opt, io, b, nullptr); });
+  return detail::in_one_workspace(detail::op_layout(p, extra, plan.coarse, plan.top_k), false, workspace,
+                                  workspace_bytes,
+                                  [&](op_buffers& b) { return detail::forward_impl(p, extra, opt, io, b, nullptr); });
 }
 
-// The whole op's forward (coarse branch and gate included) on given lists instead of its own selection: q2k
-// rows of capacity top_k, as the op would select them (checked like caller-supplied lists). For comparing
-// another implementation of the op with this one on that implementation's selection: in f64 it is the exact
-// op, and near-tied scores can rank differently at another precision. backward() then runs on these lists.
-inline status forward_on_lists(const problem& p, const options& opt, const forward_io& io, const_index_lists lists,
-                               void* workspace, std::size_t& workspace_bytes) {
+inline status forward_on_lists_impl(const problem& p, const extra_tokens& extra, const options& opt,
+                                    const forward_io& io, const const_index_lists& lists, void* workspace,
+                                    std::size_t& workspace_bytes) {
   detail::op_plan plan;
-  status s = detail::plan_op(p, opt, plan);
+  status s = detail::plan_op(p, extra, opt, plan);
   if (!s) return s;
   if (!plan.coarse)
     return status::error(errc::bad_argument, "options.q2k: forward_on_lists takes its lists as an argument");
@@ -330,20 +342,20 @@ inline status forward_on_lists(const problem& p, const options& opt, const forwa
     return status::error(errc::bad_index, "lists: q2k_capacity %lld must be the op's k = %lld",
                          (long long)lists.q2k_capacity, (long long)plan.top_k);
   if (workspace != nullptr && !(s = check_q2k_host(p, lists))) return s;
-  return detail::in_one_workspace(detail::op_layout(p, plan.coarse, plan.top_k), false, workspace, workspace_bytes,
-                                  [&](op_buffers& b) { return detail::forward_impl(p, opt, io, b, &lists); });
+  return detail::in_one_workspace(detail::op_layout(p, extra, plan.coarse, plan.top_k), false, workspace,
+                                  workspace_bytes,
+                                  [&](op_buffers& b) { return detail::forward_impl(p, extra, opt, io, b, &lists); });
 }
 
-// The q2k lists the forward selected, as views into its state (capacity k; valid while the state is). Null
-// lists when the caller supplied its own.
-inline status selected_lists(const problem& p, const options& opt, const void* state, const_index_lists& lists) {
+inline status selected_lists_impl(const problem& p, const extra_tokens& extra, const options& opt, const void* state,
+                                  const_index_lists& lists) {
   detail::op_plan plan;
-  const status s = detail::plan_op(p, opt, plan);
+  const status s = detail::plan_op(p, extra, opt, plan);
   if (!s) return s;
   lists = const_index_lists{};
   if (!plan.coarse) return status::ok();
   if (state == nullptr) return status::error(errc::null_pointer, "state: pointer is null");
-  const detail::op_layout layout(p, plan.coarse, plan.top_k);
+  const detail::op_layout layout(p, extra, plan.coarse, plan.top_k);
   const unsigned char* base = static_cast<const unsigned char*>(state);
   lists.q2k = reinterpret_cast<const int32_t*>(base + layout.q2k);
   lists.q2k_count = reinterpret_cast<const int32_t*>(base + layout.q2k_count);
@@ -351,25 +363,24 @@ inline status selected_lists(const problem& p, const options& opt, const void* s
   return status::ok();
 }
 
-// Backward of the whole op, on the state the forward filled and scratch of its own (buffers.state == nullptr:
-// sets both sizes and returns). Writes dq, dk, dv (padding slots 0) and dgate when the gate is given.
-inline status backward(const problem& p, const options& opt, const backward_io& io, op_buffers& buffers) {
+inline status backward_impl(const problem& p, const extra_tokens& extra, const options& opt, const backward_io& io,
+                            op_buffers& buffers) {
   detail::op_plan plan;
-  status s = detail::plan_op(p, opt, plan);
+  status s = detail::plan_op(p, extra, opt, plan);
   if (!s) return s;
-  const detail::op_layout layout(p, plan.coarse, plan.top_k);
+  const detail::op_layout layout(p, extra, plan.coarse, plan.top_k);
   if (buffers.state == nullptr) return detail::size_query(layout, layout.backward_scratch, buffers);
   if (!(s = detail::check_op_options(p, opt, plan, io.gate))) return s;
-  if (!(s = detail::check_tiled("q", io.q, p, p.q_heads))) return s;
-  if (!(s = detail::check_tiled("k", io.k, p, p.kv_heads))) return s;
-  if (!(s = detail::check_tiled("v", io.v, p, p.kv_heads))) return s;
-  if (!(s = detail::check_output("o", io.o, p, opt, p.q_heads))) return s;
-  if (!(s = detail::check_tiled("d_o", io.d_o, p, p.q_heads))) return s;
-  if (!(s = detail::check_output("dq", io.dq, p, opt, p.q_heads))) return s;
-  if (!(s = detail::check_output("dk", io.dk, p, opt, p.kv_heads))) return s;
-  if (!(s = detail::check_output("dv", io.dv, p, opt, p.kv_heads))) return s;
-  if (!(s = detail::check_gate(p, io.gate, io.dgate.data, true))) return s;
-  if (io.dgate.data != nullptr && !(s = detail::check_output("dgate", io.dgate, p, opt, p.q_heads))) return s;
+  if (!(s = detail::check_tiled("q", io.q, p, p.q_heads, extra))) return s;
+  if (!(s = detail::check_tiled("k", io.k, p, p.kv_heads, extra))) return s;
+  if (!(s = detail::check_tiled("v", io.v, p, p.kv_heads, extra))) return s;
+  if (!(s = detail::check_output("o", io.o, p, extra, opt, p.q_heads))) return s;
+  if (!(s = detail::check_tiled("d_o", io.d_o, p, p.q_heads, extra))) return s;
+  if (!(s = detail::check_output("dq", io.dq, p, extra, opt, p.q_heads))) return s;
+  if (!(s = detail::check_output("dk", io.dk, p, extra, opt, p.kv_heads))) return s;
+  if (!(s = detail::check_output("dv", io.dv, p, extra, opt, p.kv_heads))) return s;
+  if (!(s = detail::check_gate(p, io.gate, io.dgate.data, true, extra))) return s;
+  if (io.dgate.data != nullptr && !(s = detail::check_output("dgate", io.dgate, p, extra, opt, p.q_heads))) return s;
   if (!(s = detail::check_buffers(layout, buffers, layout.backward_scratch))) return s;
   if (!(s = check_backward_disjoint(p, io, buffers.state, layout.state_bytes, buffers.scratch, layout.backward_scratch,
                                     plan.coarse ? const_index_lists{} : opt.q2k)))
@@ -379,6 +390,7 @@ inline status backward(const problem& p, const options& opt, const backward_io& 
     void* const sc = buffers.scratch;
     const tile_geometry geo(p.grid);
     const int64_t n = geo.num_tiles(), slots = geo.tiled_tokens(), dim = p.head_dim;
+    const int64_t tokens = slots + extra.count, video0 = extra.video_start();
     const int64_t bq = p.batch * p.q_heads, bk = p.batch * p.kv_heads;
     double* q = detail::region<double>(sc, layout.b_q);
     double* k = detail::region<double>(sc, layout.b_k);
@@ -394,16 +406,22 @@ inline status backward(const problem& p, const options& opt, const backward_io& 
     detail::gather(p, p.q_heads, io.d_o, d_o);
     detail::sparse_backward_core(p, plan.scale, q, k, v, o_s, d_o, detail::region<double>(st, layout.lse),
                                  detail::op_lists(plan, opt, layout, st), dq, dk, dv,
-                                 detail::region<double>(sc, layout.b_delta));
+                                 detail::region<double>(sc, layout.b_delta), extra);
     if (plan.coarse) {
+      const const_tensor d_o_video = detail::token_range(io.d_o, video0, slots, p.type),
+                         gate = detail::token_range(io.gate, video0, slots, p.type);
       const void* o_c = detail::region<void>(st, layout.o_c);
       double* d_o_c = detail::region<double>(sc, layout.b_doc);
       if (io.dgate.data == nullptr) {
-        detail::combine_backward_core(p, io.d_o, io.gate, o_c, io.dgate, d_o_c);
+        detail::combine_backward_core(p, d_o_video, gate, o_c, io.dgate, d_o_c);
       } else {
-        const status written = detail::write_output(p, p.q_heads, opt.output_order, io.dgate, [&](const tensor& dgate) {
-          detail::combine_backward_core(p, io.d_o, io.gate, o_c, dgate, d_o_c);
-        });
+        // The extra rows have no gate, so their dgate is 0: every row of a view of zero strides is one row of zeros.
+        const std::vector<double> zero(static_cast<std::size_t>(dim), 0.0);
+        const const_tensor zeros{zero.data(), extra.count, 0, 0, 0};
+        const status written =
+            detail::write_output(p, extra, p.q_heads, opt.output_order, io.dgate, zeros, [&](const tensor& dgate) {
+              detail::combine_backward_core(p, d_o_video, gate, o_c, dgate, d_o_c);
+            });
         if (!written) return written;
       }
       // The GPU stores the per-tile sum of g ⊙ dO in p.type; the reference rounds it the same way.
@@ -430,7 +448,8 @@ inline status backward(const problem& p, const options& opt, const backward_io& 
             const int64_t i = row % n, bh = row / n;
             const int valid = geo.valid(i);
             for (int r = 0; r < valid; ++r)
-              detail::axpy(1.0 / valid, grad_c + row * dim, grad + (bh * slots + i * tile_tokens + r) * dim, dim);
+              detail::axpy(1.0 / valid, grad_c + row * dim, grad + (bh * tokens + video0 + i * tile_tokens + r) * dim,
+                           dim);
           }
         });
       };
@@ -439,8 +458,11 @@ inline status backward(const problem& p, const options& opt, const backward_io& 
       spread(p.kv_heads, dvc, dv);
     }
     const auto store = [&](int64_t heads, const double* grad, const tensor& out) {
-      return detail::write_output(p, heads, opt.output_order, out,
-                                  [&](const tensor& t) { detail::scatter(p, heads, grad, t); });
+      const const_tensor extra_rows =
+          detail::dense_tokens(p, heads, grad, tokens, extra.extra_start(slots), extra.count);
+      return detail::write_output(p, extra, heads, opt.output_order, out, extra_rows, [&](const tensor& t) {
+        detail::copy_rows(p, heads, detail::dense_tokens(p, heads, grad, tokens, video0, slots), dtype::f64, t);
+      });
     };
     status written = store(p.q_heads, dq, io.dq);
     if (written) written = store(p.kv_heads, dk, io.dk);
@@ -449,15 +471,57 @@ inline status backward(const problem& p, const options& opt, const backward_io& 
   });
 }
 
+inline status backward_whole(const problem& p, const extra_tokens& extra, const options& opt, const backward_io& io,
+                             void* workspace, std::size_t& workspace_bytes) {
+  detail::op_plan plan;
+  status s = detail::plan_op(p, extra, opt, plan);
+  if (!s) return s;
+  return detail::in_one_workspace(detail::op_layout(p, extra, plan.coarse, plan.top_k), true, workspace,
+                                  workspace_bytes,
+                                  [&](op_buffers& b) { return detail::backward_impl(p, extra, opt, io, b); });
+}
+
+} // namespace detail
+
+// Forward of the whole op, its memory in two parts (op_buffers): buffers.state == nullptr sets both sizes
+// and returns. Otherwise the state must stay untouched until backward() has run on it.
+inline status forward(const problem& p, const options& opt, const forward_io& io, op_buffers& buffers) {
+  return detail::forward_impl(p, extra_tokens{}, opt, io, buffers, nullptr);
+}
+
+// Forward of the whole op in one workspace. workspace == nullptr: sets workspace_bytes and returns.
+// Otherwise the workspace must stay untouched until backward() has run on it.
+inline status forward(const problem& p, const options& opt, const forward_io& io, void* workspace,
+                      std::size_t& workspace_bytes) {
+  return detail::forward_whole(p, extra_tokens{}, opt, io, workspace, workspace_bytes);
+}
+
+// The whole op's forward (coarse branch and gate included) on given lists instead of its own selection: q2k
+// rows of capacity top_k, as the op would select them (checked like caller-supplied lists). For comparing
+// another implementation of the op with this one on that implementation's selection: in f64 it is the exact
+// op, and near-tied scores can rank differently at another precision. backward() then runs on these lists.
+inline status forward_on_lists(const problem& p, const options& opt, const forward_io& io, const_index_lists lists,
+                               void* workspace, std::size_t& workspace_bytes) {
+  return detail::forward_on_lists_impl(p, extra_tokens{}, opt, io, lists, workspace, workspace_bytes);
+}
+
+// The q2k lists the forward selected, as views into its state (capacity k; valid while the state is). Null
+// lists when the caller supplied its own.
+inline status selected_lists(const problem& p, const options& opt, const void* state, const_index_lists& lists) {
+  return detail::selected_lists_impl(p, extra_tokens{}, opt, state, lists);
+}
+
+// Backward of the whole op, on the state the forward filled and scratch of its own (buffers.state == nullptr:
+// sets both sizes and returns). Writes dq, dk, dv (padding slots 0) and dgate when the gate is given.
+inline status backward(const problem& p, const options& opt, const backward_io& io, op_buffers& buffers) {
+  return detail::backward_impl(p, extra_tokens{}, opt, io, buffers);
+}
+
 // Backward of the whole op in one workspace, the one the forward filled (ask its size with workspace ==
 // nullptr; it is at least the forward's).
 inline status backward(const problem& p, const options& opt, const backward_io& io, void* workspace,
                        std::size_t& workspace_bytes) {
-  detail::op_plan plan;
-  status s = detail::plan_op(p, opt, plan);
-  if (!s) return s;
-  return detail::in_one_workspace(detail::op_layout(p, plan.coarse, plan.top_k), true, workspace, workspace_bytes,
-                                  [&](op_buffers& b) { return backward(p, opt, io, b); });
+  return detail::backward_whole(p, extra_tokens{}, opt, io, workspace, workspace_bytes);
 }
 
 } // namespace reference
