@@ -253,6 +253,9 @@ bool has_nan(const host_tensor& t) {
 
 } // namespace
 
+// Both sides run the same reference cores (the video-only entry points pass no extra tokens), so this case checks
+// the joint entry points' plumbing at E = 0; that the cores themselves still compute the video-only op is what
+// test_sparse.cpp and test_op.cpp check, against their own independent references.
 TEST_CASE("with no extra tokens the joint sparse pass and the joint op are the video-only ones, bit for bit",
           "[cpu][joint]") {
   VSA_TEST_RNG(g, "joint none");
@@ -500,6 +503,56 @@ TEST_CASE("the joint op takes its coarse branch, gate and selection from the vid
     CHECK(same(gr.dv, gr_r.dv));
     CHECK(same(gr.dgate, gr_r.dgate));
   }
+}
+
+TEST_CASE("the joint op on caller lists is the joint sparse pass", "[cpu][joint][op]") {
+  VSA_TEST_RNG(g, "joint op lists");
+  for (const dtype t : {dtype::f64, dtype::bf16})
+    for (const extra_tokens extra : {extra_tokens{77, false}, extra_tokens{5, true}}) {
+      INFO(dtype_name(t) << ", E = " << extra.count << (extra.first ? " first" : " last"));
+      const problem p = make_problem({5, 6, 7}, 1, 4, 2, 16, t);
+      const joint_axis a(p, extra);
+      const op_tensors x = random_op(p, a, g);
+      const host_tensor d_o = random_joint(p, a, p.q_heads, g);
+      const test::q2k_lists lists = test::random_lists(p, 3, g);
+      options opt;
+      opt.q2k = lists.view();
+
+      host_tensor o = joint_tensor(p, a, p.q_heads);
+      o.fill_byte(test::poison_byte);
+      op_grads gr = op_grad_tensors(p, a);
+      forward_io fio = forward_args(x, o);
+      backward_io bio = backward_args(x, o, d_o, gr);
+      fio.gate = {}; // the op on caller lists takes no gate
+      bio.gate = {};
+      bio.dgate = {};
+      std::size_t bytes = 0, back_bytes = 0;
+      REQUIRE(reference::joint_forward(p, extra, opt, fio, nullptr, bytes).is_ok());
+      REQUIRE(reference::joint_backward(p, extra, opt, bio, nullptr, back_bytes).is_ok());
+      test::aligned_buffer ws(std::max(bytes, back_bytes));
+      REQUIRE(reference::joint_forward(p, extra, opt, fio, ws.data(), bytes).is_ok());
+      REQUIRE(reference::joint_backward(p, extra, opt, bio, ws.data(), back_bytes).is_ok());
+
+      const float scale = reference::resolve_scale(p, opt);
+      host_tensor o_s = joint_tensor(p, a, p.q_heads);
+      std::vector<float> lse(static_cast<std::size_t>(p.batch * p.q_heads * a.tokens));
+      REQUIRE(reference::joint_sparse_attention_forward(p, extra, scale, x.q.cview(), x.k.cview(), x.v.cview(),
+                                                        lists.view(), o_s.view(), lse.data())
+                  .is_ok());
+      op_grads want = op_grad_tensors(p, a);
+      REQUIRE(reference::joint_sparse_attention_backward(p, extra, scale, x.q.cview(), x.k.cview(), x.v.cview(),
+                                                         o_s.cview(), d_o.cview(), lse.data(), lists.view(),
+                                                         want.dq.view(), want.dk.view(), want.dv.view())
+                  .is_ok());
+      // o is the sparse pass's; the gradients differ by the fp32 rounding of the sparse pass's stored lse (the op
+      // keeps its own in double), and in bf16 by the rounding of the outputs.
+      const double tol = t == dtype::f64 ? 1e-5 : 1e-2;
+      CHECK(test::rel_error(test::values(o), test::values(o_s)) < (t == dtype::f64 ? 1e-12 : 1e-2));
+      CHECK(test::rel_error(test::values(gr.dq), test::values(want.dq)) < tol);
+      CHECK(test::rel_error(test::values(gr.dk), test::values(want.dk)) < tol);
+      CHECK(test::rel_error(test::values(gr.dv), test::values(want.dv)) < tol);
+      for (const host_tensor* r : {&o, &gr.dq, &gr.dk, &gr.dv}) CHECK(!has_nan(*r));
+    }
 }
 
 TEST_CASE("the joint op backward matches finite differences of the whole op", "[cpu][joint][op][grad]") {

@@ -1,7 +1,8 @@
 // Joint text + video attention (HunyuanVideo and the like): the sparse pass and the whole op over one token axis
 // that holds the video's N·64 tiled slots and E extra (text, condition) tokens, before or after them
 // (extra_tokens, types.hpp, gives the layout). Every tensor, o, lse and every gradient included, holds
-// S = N·64 + E tokens; its video part is laid out exactly as the video-only op's tensors.
+// S = N·64 + E tokens (an output of the whole op in raster order T·H·W + E); its video part is laid out exactly as
+// the video-only op's tensors.
 //
 // What each query attends to:
 //  - a valid video query: the valid tokens of the key tiles selected for its tile, and all E extra tokens;
@@ -68,7 +69,8 @@ inline status joint_selected_lists(const problem& p, extra_tokens extra, const o
 }
 
 // The whole op with extra tokens, backward, on the state joint_forward filled (buffers.state == nullptr: sets both
-// sizes). Writes dq, dk, dv (padding slots 0) and dgate (its extra rows 0) when the gate is given.
+// sizes). `extra` must be the forward's: it places o_s and lse in the state, which records neither. Writes dq, dk, dv
+// (padding slots 0) and dgate (its extra rows 0) when the gate is given.
 inline status joint_backward(const problem& p, extra_tokens extra, const options& opt, const backward_io& io,
                              op_buffers& buffers) {
   return detail::backward_impl(p, extra, opt, io, buffers);

@@ -194,6 +194,16 @@ template <class Pass> status in_one_workspace(const op_layout& layout, bool back
   return pass(b);
 }
 
+// The one-workspace form of a pass of the op as `opt` plans it.
+template <class Pass> status in_planned_workspace(const problem& p, const extra_tokens& extra, const options& opt,
+                                                  bool backward, void* workspace, std::size_t& workspace_bytes,
+                                                  const Pass& pass) {
+  op_plan plan;
+  const status s = plan_op(p, extra, opt, plan);
+  if (!s) return s;
+  return in_one_workspace(op_layout(p, extra, plan.coarse, plan.top_k), backward, workspace, workspace_bytes, pass);
+}
+
 // The lists the sparse pass reads: the op's own (saved in the state) or the caller's.
 inline const_index_lists op_lists(const op_plan& plan, const options& opt, const op_layout& layout, void* st) {
   if (!plan.coarse) return opt.q2k;
@@ -322,12 +332,9 @@ inline status forward_impl(const problem& p, const extra_tokens& extra, const op
 // The one-workspace form of the forward (workspace == nullptr: sets workspace_bytes).
 inline status forward_whole(const problem& p, const extra_tokens& extra, const options& opt, const forward_io& io,
                             void* workspace, std::size_t& workspace_bytes) {
-  detail::op_plan plan;
-  status s = detail::plan_op(p, extra, opt, plan);
-  if (!s) return s;
-  return detail::in_one_workspace(detail::op_layout(p, extra, plan.coarse, plan.top_k), false, workspace,
-                                  workspace_bytes,
-                                  [&](op_buffers& b) { return detail::forward_impl(p, extra, opt, io, b, nullptr); });
+  return detail::in_planned_workspace(p, extra, opt, false, workspace, workspace_bytes, [&](op_buffers& b) {
+    return detail::forward_impl(p, extra, opt, io, b, nullptr);
+  });
 }
 
 inline status forward_on_lists_impl(const problem& p, const extra_tokens& extra, const options& opt,
@@ -473,12 +480,8 @@ inline status backward_impl(const problem& p, const extra_tokens& extra, const o
 
 inline status backward_whole(const problem& p, const extra_tokens& extra, const options& opt, const backward_io& io,
                              void* workspace, std::size_t& workspace_bytes) {
-  detail::op_plan plan;
-  status s = detail::plan_op(p, extra, opt, plan);
-  if (!s) return s;
-  return detail::in_one_workspace(detail::op_layout(p, extra, plan.coarse, plan.top_k), true, workspace,
-                                  workspace_bytes,
-                                  [&](op_buffers& b) { return detail::backward_impl(p, extra, opt, io, b); });
+  return detail::in_planned_workspace(p, extra, opt, true, workspace, workspace_bytes,
+                                      [&](op_buffers& b) { return detail::backward_impl(p, extra, opt, io, b); });
 }
 
 } // namespace detail

@@ -59,7 +59,8 @@ template <class E, int D> using attention_mma = warp_mma<E, D>;
 
 // Two independent products whose results are read only after both: s1 = a1 · b1ᵀ and s2 = a2 · b2ᵀ (nt_pair,
 // a1 and a2 the band's rows row0.. of shared tiles; nt_pair<M, W> over the first W rows of b1 and b2 only, as
-// nt<W>), o1 += p1 · c1 and o2 += p2 · c2 (nn_pair; p1, p2 as nn_of takes them). A backend that
+// nt<W>), o1 += p1 · c1 and o2 += p2 · c2 (nn_pair; p1, p2 as nn_of takes them, except that the wgmma backend's
+// nn_pair takes fragments as p1 only). A backend that
 // can keep both in flight says so (one_group_pairs) and has members of these names: the wgmma backend issues
 // both chains as one group with one wait. The others run them in turn.
 template <class M, class = void> struct one_group_pairs : std::false_type {};
