@@ -78,15 +78,23 @@ inline constexpr int max_block_smem = 99 * 1024;
 #endif
 
 // Blocks of the forward kernel that should share a multiprocessor, the register cap __launch_bounds__ derives
-// from it (65536 / (128 threads · blocks)): the tuning table's (tuning.hpp), by pass.
+// from it (65536 / (128 threads · blocks)): the tuning table's (tuning.hpp), by pass. HIP reads the same bound as
+// waves an execution unit (a SIMD), which for the attention kernels' blocks of four wave64s is blocks a CU: the cap
+// is 512 / blocks VGPR + AGPR a lane.
 inline constexpr int forward_min_blocks(bool hopper, bool few_blocks) {
   return tuning::of(hopper).forward(few_blocks).min_blocks;
 }
 
-// The backward's portable kernels' second launch bound, from their MinBlocks template argument (a probe's; 0 by
-// default, no bound: tuning/nvidia_mma.hpp says why), where the platform reads the bound as blocks (the tuning
-// table's min_blocks_bound: NVIDIA's).
-inline constexpr int backward_min_blocks(int asked) { return tuning::of(false).min_blocks_bound ? asked : 0; }
+// The backward's portable kernels' second launch bound: where the platform reads the bound as blocks (the tuning
+// table's min_blocks_bound: NVIDIA's), their MinBlocks template argument (a probe's; 0 by default, no bound:
+// tuning/nvidia_mma.hpp says why); elsewhere `table_blocks`, 0 (no bound) unless the table gives the kernel one.
+inline constexpr int backward_min_blocks(int asked, int table_blocks = 0) {
+  return tuning::of(false).min_blocks_bound ? asked : table_blocks;
+}
+// The dq kernel's, with the table's dq_blocks at head dim d: waves an execution unit to HIP, as in the forward.
+inline constexpr int dq_min_blocks(int asked, int d) {
+  return backward_min_blocks(asked, tuning::of(hopper_code).dq_blocks(d));
+}
 
 // How the attention kernels use that budget for head dim D, by the tuning table of the code (`hopper`: Hopper
 // code; tuning.hpp), which says why each family takes what it takes: the copy stages (with two, the next tile
@@ -96,18 +104,20 @@ template <int D> struct smem_plan {
   static constexpr int tile = smem_tile<D>::bytes;
   static constexpr int stats = 2 * 2 * 64 * 4; // per stage: log-sum-exp and delta of 64 rows
   // Forward: copy stages and bytes, `hopper` for Hopper code, `few_blocks` for a grid smaller than one wave
-  // of the GPU (the coarse pass). Two stages: while tile j is used, tile j+1 streams into the other stage;
-  // Q, read into registers first, borrows the second stage's K slot, unless the table keeps it a slot of its
-  // own (Hopper's wgmma reads Q from shared memory in every product). forward_overlap: the products of one
-  // step overlap the softmax of the next (hopper/forward_overlap.hpp).
+  // of the GPU (the coarse pass). Two stages: while tile j is used, tile j+1 streams into the other stage.
+  // Q, read into registers first, borrows a slot, unless the table keeps it a slot of its own (Hopper's wgmma
+  // reads Q from shared memory in every product): with two stages the second stage's K slot, which the first
+  // prefetch fills; with one V's slot, which the first V fills once Q is in registers (K + V: 32 KiB at D = 128,
+  // two blocks in CDNA's 64 KiB). forward_overlap: the products of one step overlap the softmax of the next
+  // (hopper/forward_overlap.hpp).
   static constexpr bool forward_overlap(bool hopper, bool few_blocks) {
     return tuning::of(hopper).forward(few_blocks).overlap(D);
   }
   static constexpr int forward_stages(bool hopper, bool few_blocks) {
     return tuning::of(hopper).forward(few_blocks).stages(D) == 2 && 2 * 2 * tile <= max_block_smem ? 2 : 1;
   }
-  static constexpr bool forward_q_shares(bool hopper, bool few_blocks) {
-    return !tuning::of(hopper).forward_q_own_slot && forward_stages(hopper, few_blocks) == 2;
+  static constexpr bool forward_q_shares(bool hopper, [[maybe_unused]] bool few_blocks) {
+    return !tuning::of(hopper).forward_q_own_slot;
   }
   // K and V through the copy engine (hopper/feeds.hpp), where the loop has one stage or overlaps.
   static constexpr bool forward_copy_engine(bool hopper, bool few_blocks) {
@@ -134,15 +144,12 @@ template <int D> struct smem_plan {
   }
   // Q and dO of the portable dk/dv through the copy engine (hopper/feeds.hpp).
   static constexpr bool dkdv_copy_engine(bool hopper) { return tuning::of(hopper).dkdv_copy_engine(D); }
-  static constexpr bool stats_in_smem(bool hopper) {
-    return (2 + 2 * backward_stages(hopper)) * tile + stats + smem_slack <= max_block_smem;
-  }
   static constexpr bool dkdv_stats_in_smem(bool hopper) {
     return (2 + 2 * dkdv_stages(hopper)) * tile + stats + smem_slack <= max_block_smem;
   }
-  static constexpr int backward_bytes(bool hopper) {
-    return (2 + 2 * backward_stages(hopper)) * tile + (stats_in_smem(hopper) ? stats : 0) + smem_slack;
-  }
+  // The dq kernel: Q, dO and its stages of K and V. It reads its rows' statistics from global memory into
+  // registers, so it asks for no room for them.
+  static constexpr int backward_bytes(bool hopper) { return (2 + 2 * backward_stages(hopper)) * tile + smem_slack; }
   static constexpr int dkdv_bytes(bool hopper) {
     return (2 + 2 * dkdv_stages(hopper)) * tile + (dkdv_stats_in_smem(hopper) ? stats : 0) + smem_slack;
   }

@@ -92,10 +92,10 @@ __device__ __forceinline__ void store_band(const typename M::out_tile& acc, floa
 }
 
 // Narrow, as for the forward: steps over partial key tiles cover their valid rows only (with_step_width).
-// MinBlocks: blocks an SM to cap the registers for, 0 for no cap (backward_min_blocks). RasterOut: p.raster_out as
-// a template parameter, as in the forward.
+// MinBlocks: blocks an SM to cap the registers for, 0 for no cap, where the platform takes it (dq_min_blocks;
+// elsewhere the tuning table's dq_blocks). RasterOut: p.raster_out as a template parameter, as in the forward.
 template <class E, int D, class Sched, bool Narrow = false, int MinBlocks = 0, bool RasterOut = false>
-__global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), backward_min_blocks(MinBlocks))
+__global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), dq_min_blocks(MinBlocks, D))
     attention_dq_kernel(const VSA_GRID_CONSTANT backward_params p, Sched s) {
   using M = attention_mma<E, D>;
   constexpr int nthreads = 4 * M::threads;

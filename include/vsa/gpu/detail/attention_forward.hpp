@@ -1,6 +1,6 @@
 // Flash-attention forward over a schedule of key tiles: one block per (query tile, head, batch), one warp
-// per 16 query rows, key and value tiles double-buffered in shared memory, an online softmax in base 2
-// with the scale folded into the exponent.
+// per 16 query rows, key and value tiles in shared memory (double-buffered where the tuning table asks for two
+// stages: smem_plan), an online softmax in base 2 with the scale folded into the exponent.
 #pragma once
 
 #include "../arch/matrix.hpp"
@@ -52,15 +52,18 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
   constexpr int stages = smem_plan<D>::forward_stages(hopper_code, Sched::few_blocks);
   constexpr bool q_shares = smem_plan<D>::forward_q_shares(hopper_code, Sched::few_blocks);
   static_assert(!q_shares || M::rows_in_registers, "Q lends its slot only from registers");
+  // With one stage Q borrows V's slot, so the first V is copied only once Q is in registers.
+  constexpr bool q_in_v = q_shares && stages == 1;
 
   extern __shared__ uint4 smem_raw[];
   uint16_t* sm = aligned_smem(smem_raw);
-  // (K, V) stages, then Q. With two stages Q borrows the second stage's K slot once it is in registers (64
-  // KiB instead of 80 for D = 128: the whole 64 KiB LDS of CDNA). Stages are addressed by arithmetic, not
-  // arrays of tiles, so that a run-time stage index does not push the tile descriptors to local memory.
+  // (K, V) stages, then Q. Where Q borrows a slot, it is the second stage's K slot with two stages (64 KiB
+  // instead of 80 for D = 128: the whole 64 KiB LDS of CDNA), V's with one (32 KiB: two blocks on CDNA). Stages
+  // are addressed by arithmetic, not arrays of tiles, so that a run-time stage index does not push the tile
+  // descriptors to local memory.
   const auto sk = [&](int buf) { return smem_tile<D>{sm + (2 * buf) * 64 * D}; };
   const auto sv = [&](int buf) { return smem_tile<D>{sm + (1 + 2 * buf) * 64 * D}; };
-  const smem_tile<D> sq = q_shares ? sk(1) : smem_tile<D>{sm + 2 * stages * 64 * D};
+  const smem_tile<D> sq = !q_shares ? smem_tile<D>{sm + 2 * stages * 64 * D} : q_in_v ? sv(0) : sk(1);
   // P's row sums: formed in the P·V chain, P times ones, where the backend can and the tuning table asks
   // (smem_plan::forward_ones: Hopper's sparse pass in the one-step loop, from a block of ones after Q; the mma.sync
   // backend's in both loops, from ones in registers), otherwise added up in the softmax. Hopper's not in the
@@ -90,16 +93,24 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
   // asked for as soon as the products reading its stage are done. With one stage the next K is in flight during
   // the softmax and P·V, the next V during the next Q·Kᵀ; the overlapped loop has two.
   constexpr bool engine = smem_plan<D>::forward_copy_engine(hopper_code, Sched::few_blocks) && (stages == 1 || overlap);
+  static_assert(!(engine && q_in_v), "the copy engine's first load fills V's slot while Q is in it");
   using feed_type = kv_feed<D, 2 * stages, forward_params, engine>;
   __shared__ __align__(8) typename feed_type::barriers ready; // K, then V, of each stage
   feed_type feed(ready, p.tma != 0, tid, p, hk, b);
   const auto count = s.valid_counter();
   // The dense pass reads its scores: it copies neither Q nor K.
   constexpr bool products_s = !Sched::few_blocks;
-  const auto load_kv = [&](int64_t j, int buf) { // copy_tile path; j = -1 copies nothing but zeros
-    const int kv = count.valid(j);
+  // copy_tile path; j = -1 copies nothing but zeros.
+  const auto load_k = [&](int64_t j, int kv, int buf) {
     if (products_s) copy_tile(sk(buf), p.k.tile(b, hk, j), p.k.token, kv, tid, nthreads);
+  };
+  const auto load_v = [&](int64_t j, int kv, int buf) {
     copy_nn_operand<M>(sv(buf), p.v.tile(b, hk, j), p.v.token, kv, tid, nthreads);
+  };
+  const auto load_kv = [&](int64_t j, int buf) {
+    const int kv = count.valid(j);
+    load_k(j, kv, buf);
+    load_v(j, kv, buf);
   };
   // The list entry and valid count of each step are read a step ahead, so that neither the load nor the
   // count (two divisions, done by multiplication: tile_valid_counter) waits behind the step's products.
@@ -112,6 +123,8 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
         feed.load(sk(0), sv(0), j);
         if (overlap && steps > 1) feed.load(sk(1), sv(1), j_next, 1);
       }
+    } else if (q_in_v) {
+      load_k(j, kv, 0);
     } else {
       load_kv(j, 0);
     }
@@ -144,7 +157,13 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
   __syncthreads();
   typename M::row_frag qf;
   if constexpr (M::rows_in_registers && products_s) M::load_rows(qf, sq, row0);
-  if (q_shares) __syncthreads(); // Q's slot is refilled by the first prefetch
+  if (q_shares) __syncthreads(); // Q's slot is refilled by the first prefetch, or by the first V
+  if constexpr (q_in_v) {
+    if (steps > 0) load_v(j, kv, 0);
+    copy_commit();
+    copy_wait<0>();
+    __syncthreads(); // the first V, before any warp's P·V reads it
+  }
 
   // One step's online softmax, in base 2, on the raw scores st of a key tile with kv valid rows: st becomes P
   // (unnormalized), m and l move to the new row maxima, alpha is the factor o must be rescaled by. The scale

@@ -13,26 +13,44 @@ constexpr table cdna_table() {
   table t{};
 
   // ---- attention ----
-  // Forward, both passes: two stages where they fit; Q, read into registers first, borrows the second stage's K
-  // slot, so that two stages of D = 128 fit in the 64 KiB LDS of a workgroup. CDNA places blocks by LDS alone:
-  // the second launch bound (waves an execution unit to HIP) is 1, no constraint.
-  t.sparse.stages = {2, 2};
+  // The attention kernels' blocks are four wave64s, one a SIMD, so blocks a CU are waves a SIMD; a second one needs
+  // at most 32 KiB of LDS a block and 256 VGPR + AGPR a lane. The copy into LDS is a plain load and store through
+  // registers: a second stage overlaps it with the wave's own products only as far as the compiler moves them
+  // between the loads and the stores, a second block's wave overlaps it from outside. The issue model
+  // (bench/amd-resources.md) bounds the matrix pipe's use higher at two waves than at one (bench/NOTES-amd.md, "Two
+  // waves a SIMD"); no AMD GPU has measured either.
+  // Forward, sparse pass: two stages at D = 64 (32 KiB, Q in the second stage's K slot); one at D = 128, Q through
+  // V's slot before the first V (K + V = 32 KiB instead of 64). The second launch bound, waves an execution unit to
+  // HIP, asks for the two blocks the LDS then allows: it caps the registers at 256, which the narrow variants at
+  // D = 128 need (244-280 without it).
+  t.sparse.stages = {2, 1};
   t.sparse.overlap = {false, false};
   t.sparse.ones = {false, false}; // the MFMA backend has no nn_sums
   t.sparse.ones_narrow = false;
   // Not taken on AMD until an AMD GPU has measured it.
   t.sparse.lazy_rescale = false;
   t.sparse.copy_engine = false;
-  t.sparse.min_blocks = 1;
+  t.sparse.min_blocks = 2;
+  // The coarse pass (a grid under one wave of the GPU: each block's chain of steps matters, not occupancy) keeps
+  // two stages at both head dims and no register cap.
   t.coarse = t.sparse;
+  t.coarse.stages = {2, 2};
+  t.coarse.min_blocks = 1;
   t.forward_q_own_slot = false;
-  // Backward: two stages where they fit in the LDS, for dq and for dk/dv.
-  t.dq_stages = 2;
+  // Backward, dq: one stage of K and V (at D = 128 all that fits): with Q and dO, 32 KiB a block at D = 64 instead
+  // of 49, two blocks a CU, and the bound asks for two (172-192 registers, no spill). At D = 128, 64 KiB and 284-317
+  // registers: one block, no bound.
+  t.dq_stages = 1;
+  t.dq_blocks = {2, 0};
+  // dk/dv: two stages of Q and dO where they fit, the row statistics in LDS (D = 64: 49 KiB, one block). One stage
+  // with the statistics from global memory (32 KiB) and the bound of two blocks spilled VGPRs inside the loop of the
+  // sparse kernel at D = 64 (bf16 11 VGPRs, fp16 7-8; bench/NOTES-amd.md), so it keeps one block.
   t.dkdv_stages = {2, 2};
   t.dkdv_copy_engine = {false, false};
   // dq recomputes dS: the MFMA backend has no stored form of a score tile yet (stores_score_frags).
   t.dq_from_stored_ds = {false, false};
-  // HIP reads a kernel's second launch bound as waves an execution unit, not blocks: a probe's MinBlocks is dropped.
+  // HIP reads a kernel's second launch bound as waves an execution unit, not blocks: a probe's MinBlocks is dropped,
+  // dq takes dq_blocks (backward_min_blocks).
   t.min_blocks_bound = false;
 
   // ---- linear attention ----

@@ -33,7 +33,8 @@ struct forward_pass {
 struct table {
   // ---- attention (smem_plan, attention_forward.hpp, attention_backward.hpp) ----
   forward_pass sparse, coarse;
-  // The forward's Q keeps a slot of its own instead of borrowing the second stage's K slot.
+  // The forward's Q keeps a slot of its own instead of borrowing one (smem_plan::forward_q_shares): the second
+  // stage's K slot with two stages, V's slot with one.
   bool forward_q_own_slot;
   // The dq kernel's (K, V) stages (smem_plan::backward_stages) and the portable dk/dv's (Q, dO) stages: 2 where
   // they fit, otherwise 1.
@@ -46,6 +47,8 @@ struct table {
   per_dim<bool> dq_from_stored_ds;
   // The backward kernels' MinBlocks (a probe's) becomes their second launch bound (backward_min_blocks).
   bool min_blocks_bound;
+  // Where it does not: the dq kernel's second launch bound, blocks a multiprocessor (0: no bound).
+  per_dim<int> dq_blocks;
   // ---- linear attention (detail/linear/) ----
   // Stages of an asynchronous copy into shared memory (the same in both tables of a platform), and
   // state_kernel's (K, V) stages where they fit (otherwise copy_stages).
