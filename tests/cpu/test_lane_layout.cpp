@@ -647,6 +647,34 @@ TEST_CASE("nvidia lane layout: warp-level nt and nn with P reused from the accum
   nvidia_layer<128>(rng);
 }
 
+// The mma.sync backend gives ldmatrix the chunk's place as the lane's part plus a constant (warp_mma::frag_address):
+// for every load the layer makes (A rows, nt's B, nn's B) the two must add up to the tile's own placement.
+TEST_CASE("nvidia lane layout: the split ldmatrix address is the tile's chunk placement", "[cpu]") {
+  namespace sl = vsa::gpu::smem_layout;
+  struct load {
+    int (*row)(int);
+    int (*chunk)(int);
+  };
+  const load loads[] = {{nv::a_load_row, nv::a_load_chunk},
+                        {nv::nt_b_load_row, nv::nt_b_load_chunk},
+                        {nv::nn_b_load_row, nv::nn_b_load_chunk}};
+  int checked = 0;
+  for (const load& ld : loads)
+    for (int d : {64, 128, 256})
+      for (int r0 = 0; r0 + 16 <= vsa::gpu::tile_rows; r0 += 8)
+        for (int s = 0; s < d / 16; ++s)
+          for (int l = 0; l < 32; ++l) {
+            const int lr = ld.row(l), lc = ld.chunk(l);
+            const int split = sl::panel_lane_part(lr, lc, s & 3) + sl::panel_step_part(r0, s);
+            if (split != sl::panel_chunk_offset(r0 + lr, 2 * s + lc)) {
+              CAPTURE(d, r0, s, l);
+              CHECK(split == sl::panel_chunk_offset(r0 + lr, 2 * s + lc));
+            }
+            ++checked;
+          }
+  CHECK(checked == 3 * (4 + 8 + 16) * 7 * 32);
+}
+
 TEST_CASE("nvidia lane layout: row reductions over xor 1, 2", "[cpu]") {
   CHECK(nv::row_xor_mask(0) == 1);
   CHECK(nv::row_xor_mask(1) == 2);

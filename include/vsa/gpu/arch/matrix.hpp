@@ -168,11 +168,16 @@ template <class M> struct stores_score_frags<M, std::void_t<decltype(M::stores_s
 // tile, 16 bytes a thread at a time; rows at or past `valid` are zero-filled so that padding slots hold no
 // NaN or Inf that a zero probability could turn into NaN. On NVIDIA the copy is asynchronous (cp.async):
 // call copy_commit() after issuing a stage and copy_wait<N>() before reading it.
+#if VSA_PLATFORM_NVIDIA
+// One cp.async of 16 bytes to a shared address, of which `bytes` (16 or 0) are read from src and the rest zero-filled.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes));
+}
+#endif
 // One 16-byte chunk of copy_tile; a chunk that is not ok is zero-filled (cp.async reads 0 bytes of `fallback`).
 __device__ __forceinline__ void copy_chunk(uint16_t* d, const uint16_t* s, const uint16_t* fallback, bool ok) {
 #if VSA_PLATFORM_NVIDIA
-  const uint32_t daddr = static_cast<uint32_t>(__cvta_generic_to_shared(d));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(daddr), "l"(ok ? s : fallback), "r"(ok ? 16 : 0));
+  cp_async16(static_cast<uint32_t>(__cvta_generic_to_shared(d)), ok ? s : fallback, ok ? 16 : 0);
 #else
   (void)fallback; // loads go through registers: a chunk that is not ok is simply not read
   uint4 v = make_uint4(0, 0, 0, 0);
@@ -191,13 +196,26 @@ template <int D> __device__ __forceinline__ void copy_tile(smem_tile<D> dst, con
     // against ~6 here, which made the sparse passes 1.16x faster on the H200 (bench/NOTES.md, v6). Not on
     // AMD: there the copy goes through registers, and with the copies unrolled the linear query-gradient
     // kernel (bf16, D = 128) spills.
+    // The shared address is taken once: rows is a multiple of 8, so chunk (r0 + k·rows, c) lies k·rows whole rows of
+    // its panel past chunk (r0, c), a constant the copy takes as its immediate offset. The source moves in bytes. A
+    // whole tile (every key tile of a video without partial tiles, and most of any other) copies without the
+    // per-chunk test and select of a partial one. Through copy_chunk each chunk took its addresses again: ~10
+    // instructions a chunk (PTX of the sm_80 forward), 16 chunks a thread a step at D = 128.
     const int c = tid % chunks, r0 = tid / chunks, rows = nthreads / chunks;
-    uint16_t* d = dst.chunk(r0, c);
-    const int64_t d_step = dst.chunk(r0 + rows, c) - d;
-    const uint16_t* s = src + r0 * row_stride + c * 8;
-    const int64_t s_step = rows * row_stride;
+    const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst.chunk(r0, c)));
+    const int d_step = rows * smem_layout::panel_cols * 2;
+    const char* s = reinterpret_cast<const char*>(src + r0 * row_stride + c * 8);
+    const int64_t s_step = rows * row_stride * 2;
+    if (valid >= tile_rows) {
 #pragma unroll
-    for (int k = 0; k < tile_rows / rows; ++k) copy_chunk(d + k * d_step, s + k * s_step, src, r0 + k * rows < valid);
+      for (int k = 0; k < tile_rows / rows; ++k) cp_async16(d + k * d_step, s + k * s_step, 16);
+    } else {
+#pragma unroll
+      for (int k = 0; k < tile_rows / rows; ++k) {
+        const bool ok = r0 + k * rows < valid;
+        cp_async16(d + k * d_step, ok ? s + k * s_step : reinterpret_cast<const char*>(src), ok ? 16 : 0);
+      }
+    }
     return;
   }
 #endif

@@ -57,15 +57,15 @@ template <class E, int D> struct warp_mma {
   __device__ __forceinline__ static uint32_t smem_addr(const void* p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
   }
-  __device__ __forceinline__ static void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+  __device__ __forceinline__ static void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(p)));
+                 : "r"(addr));
   }
-  __device__ __forceinline__ static void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
+  __device__ __forceinline__ static void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(p)));
+                 : "r"(addr));
   }
   __device__ __forceinline__ static void mma(float* c, const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
     if constexpr (E::is_bf16) {
@@ -81,10 +81,26 @@ template <class E, int D> struct warp_mma {
     }
   }
 
+  // The shared address lane l gives ldmatrix for rows r0 + lr(l) and chunk 2s + lc(l) of tile t (r0 a multiple of
+  // 8; lr, lc one of lane_layout's load_row / load_chunk pairs): smem_tile::chunk's place, as the lane's part for s
+  // mod 4, which the compiler keeps out of the loops, plus a constant of r0 and s / 4 (smem_layout::panel_lane_part).
+  // Through chunk() each load's address took the swizzle's shifts, XOR and ORs again in every step. The tile's
+  // address and the lane's part are added in an asm statement: in plain arithmetic LLVM, knowing that the lane's
+  // part has no bits where the constant has, merged the two with ORs and shifted the sum, three instructions a load
+  // again. Opaque, the sum is one value a tile and s mod 4, and ptxas folds the constant into the load's offset
+  // (with copy_tile's lean addresses, 23-31% fewer instructions in the sm_80 forward; bench/NOTES.md, v25).
+  __device__ __forceinline__ static uint32_t frag_address(smem_tile<D> t, int lr, int lc, int r0, int s) {
+    uint32_t at;
+    asm("add.u32 %0, %1, %2;"
+        : "=r"(at)
+        : "r"(smem_addr(t.base)), "r"(2 * smem_layout::panel_lane_part(lr, lc, s & 3)));
+    return at + 2 * smem_layout::panel_step_part(r0, s);
+  }
+
   // A fragment of rows row0 .. row0+15, k step ks: the four 8×8 matrices (rows 0-7 | 8-15) × (k 0-7 | 8-15).
   __device__ __forceinline__ static void load_a(uint32_t (&a)[4], smem_tile<D> t, int row0, int ks) {
     const int l = lane();
-    ldmatrix_x4(a, t.chunk(row0 + nv_lanes::a_load_row(l), 2 * ks + nv_lanes::a_load_chunk(l)));
+    ldmatrix_x4(a, frag_address(t, nv_lanes::a_load_row(l), nv_lanes::a_load_chunk(l), row0, ks));
   }
   __device__ __forceinline__ static void load_rows(row_frag& f, smem_tile<D> t, int row0) {
 #pragma unroll
@@ -99,7 +115,7 @@ template <class E, int D> struct warp_mma {
 #pragma unroll
     for (int np = 0; np < W / 16; ++np) { // pairs of n8 tiles: 16 rows of b
       uint32_t r[4];
-      ldmatrix_x4(r, b.chunk(np * 16 + nv_lanes::nt_b_load_row(l), 2 * ks + nv_lanes::nt_b_load_chunk(l)));
+      ldmatrix_x4(r, frag_address(b, nv_lanes::nt_b_load_row(l), nv_lanes::nt_b_load_chunk(l), np * 16, ks));
       mma(&s.x[(2 * np) * 4], a, r[0], r[1]);
       mma(&s.x[(2 * np + 1) * 4], a, r[2], r[3]);
     }
@@ -188,9 +204,11 @@ template <class E, int D> struct warp_mma {
   }
   // One 16-byte store to global memory. A uint4 assigned through the slot pointer came out of NVVM (CUDA 13.0) as
   // four 4-byte stores in the dk/dv kernel, though as one in a kernel of the store alone: 16 store instructions a
-  // step instead of 4, each a quarter as wide.
+  // step instead of 4, each a quarter as wide. Streaming (.cs: evict first in L2): the slots, gigabytes written
+  // once and read once by dq, should not push out of L2 the Q and dO tiles that dk/dv's other blocks of the
+  // head are about to read again.
   __device__ __forceinline__ static void store16(uint16_t* p, const uint32_t (&r)[4]) {
-    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+    asm volatile("st.global.cs.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
                  : "memory");
   }
 
@@ -207,7 +225,7 @@ template <class E, int D> struct warp_mma {
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
         uint32_t r[4];
-        ldmatrix_x4_trans(r, b.chunk(kk * 16 + nv_lanes::nn_b_load_row(l), 2 * dp + nv_lanes::nn_b_load_chunk(l)));
+        ldmatrix_x4_trans(r, frag_address(b, nv_lanes::nn_b_load_row(l), nv_lanes::nn_b_load_chunk(l), kk * 16, dp));
         mma(&o.x[(2 * dp) * 4], a.x[kk], r[0], r[1]);
         mma(&o.x[(2 * dp + 1) * 4], a.x[kk], r[2], r[3]);
       }
@@ -227,7 +245,7 @@ private:
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) { // pairs of n8 tiles along the head dim
         uint32_t r[4];
-        ldmatrix_x4_trans(r, b.chunk(kk * 16 + nv_lanes::nn_b_load_row(l), 2 * dp + nv_lanes::nn_b_load_chunk(l)));
+        ldmatrix_x4_trans(r, frag_address(b, nv_lanes::nn_b_load_row(l), nv_lanes::nn_b_load_chunk(l), kk * 16, dp));
         mma(&o.x[(2 * dp) * 4], a, r[0], r[1]);
         mma(&o.x[(2 * dp + 1) * 4], a, r[2], r[3]);
       }

@@ -24,6 +24,15 @@ constexpr int panel_bytes = panel * 2;
 VSA_HOST_DEVICE constexpr int panel_chunk_offset(int row, int c) {
   return (c >> 3) * panel + row * panel_cols + (((c & 7) ^ (row & 7)) << 3);
 }
+// panel_chunk_offset(r0 + lr, 2s + lc) for r0 a multiple of 8 and lc 0 or 1, the chunks ldmatrix reads (a k step s
+// of 16 columns, 8-row blocks of a 16-row band), split into a part of the lane and s mod 4 only (lr, lc come from
+// the lane) and a part of r0 and s / 4 only: in a loop over tiles the first is the same every step and the second
+// a constant, so each load's address is one add of an immediate instead of the swizzle's shifts, XOR and ORs
+// (r0 adds no bits below 8 rows and the XOR acts on s mod 4, so the two parts only add).
+VSA_HOST_DEVICE constexpr int panel_lane_part(int lr, int lc, int q) {
+  return lr * panel_cols + (((2 * q) ^ lc ^ (lr & 7)) << 3);
+}
+VSA_HOST_DEVICE constexpr int panel_step_part(int r0, int s) { return (s >> 2) * panel + r0 * panel_cols; }
 // AMD: whole rows of d elements.
 VSA_HOST_DEVICE constexpr int row_chunk_offset(int d, int row, int c) { return row * d + ((c ^ (row & 7)) << 3); }
 
