@@ -82,25 +82,41 @@ template <class E, int D> struct warp_mma {
   }
 
   // The shared address lane l gives ldmatrix for rows r0 + lr(l) and chunk 2s + lc(l) of tile t (r0 a multiple of
-  // 8; lr, lc one of lane_layout's load_row / load_chunk pairs): smem_tile::chunk's place, as the lane's part for s
-  // mod 4, which the compiler keeps out of the loops, plus a constant of r0 and s / 4 (smem_layout::panel_lane_part).
-  // Through chunk() each load's address took the swizzle's shifts, XOR and ORs again in every step. The tile's
-  // address and the lane's part are added in an asm statement: in plain arithmetic LLVM, knowing that the lane's
-  // part has no bits where the constant has, merged the two with ORs and shifted the sum, three instructions a load
-  // again. Opaque, the sum is one value a tile and s mod 4, and ptxas folds the constant into the load's offset
-  // (with copy_tile's lean addresses, 23-31% fewer instructions in the sm_80 forward; bench/NOTES.md, v25).
-  __device__ __forceinline__ static uint32_t frag_address(smem_tile<D> t, int lr, int lc, int r0, int s) {
+  // 8; lr, lc one of lane_layout's load_row / load_chunk pairs): smem_tile::chunk's place, split into the tile's
+  // address plus the lane's part for s mod 4 (frag_base) and a constant of r0 and s / 4 (frag_offset;
+  // smem_layout::panel_lane_part). Through chunk() each load's address took the swizzle's shifts, XOR and ORs again
+  // in every step. frag_base adds in an asm statement: in plain arithmetic LLVM, knowing that the lane's part has no
+  // bits where the constant has, merged the two with ORs and shifted the sum, three instructions a load again; and
+  // since NVVM does not merge equal asm statements, each function below takes its bases once and reuses them for
+  // every load from the same tile and s mod 4. ptxas folds the constant into the load's offset (with copy_tile's
+  // lean addresses, 23-31% fewer instructions in the sm_80 forward; bench/NOTES.md, v25). A row offset r0 known
+  // only at run time goes into the base.
+  __device__ __forceinline__ static uint32_t frag_base(smem_tile<D> t, int lr, int lc, int q, int r0 = 0) {
     uint32_t at;
     asm("add.u32 %0, %1, %2;"
         : "=r"(at)
-        : "r"(smem_addr(t.base)), "r"(2 * smem_layout::panel_lane_part(lr, lc, s & 3)));
-    return at + 2 * smem_layout::panel_step_part(r0, s);
+        : "r"(smem_addr(t.base) + 2 * r0 * smem_layout::panel_cols), "r"(2 * smem_layout::panel_lane_part(lr, lc, q)));
+    return at;
+  }
+  __device__ __forceinline__ static constexpr uint32_t frag_offset(int r0, int s) {
+    return 2 * smem_layout::panel_step_part(r0, s);
+  }
+  // The bases of nn's B (tile rows = k, loaded with .trans) for the four values of its n step mod 4.
+  struct nn_bases {
+    uint32_t at[4];
+  };
+  __device__ __forceinline__ static nn_bases nn_b_bases(smem_tile<D> b) {
+    const int l = lane();
+    nn_bases n;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) n.at[q] = frag_base(b, nv_lanes::nn_b_load_row(l), nv_lanes::nn_b_load_chunk(l), q);
+    return n;
   }
 
   // A fragment of rows row0 .. row0+15, k step ks: the four 8×8 matrices (rows 0-7 | 8-15) × (k 0-7 | 8-15).
   __device__ __forceinline__ static void load_a(uint32_t (&a)[4], smem_tile<D> t, int row0, int ks) {
     const int l = lane();
-    ldmatrix_x4(a, frag_address(t, nv_lanes::a_load_row(l), nv_lanes::a_load_chunk(l), row0, ks));
+    ldmatrix_x4(a, frag_base(t, nv_lanes::a_load_row(l), nv_lanes::a_load_chunk(l), ks & 3, row0) + frag_offset(0, ks));
   }
   __device__ __forceinline__ static void load_rows(row_frag& f, smem_tile<D> t, int row0) {
 #pragma unroll
@@ -112,10 +128,11 @@ template <class E, int D> struct warp_mma {
   template <int W = tile_rows>
   __device__ __forceinline__ static void nt_step(score_tile& s, const uint32_t (&a)[4], smem_tile<D> b, int ks) {
     const int l = lane();
+    const uint32_t base = frag_base(b, nv_lanes::nt_b_load_row(l), nv_lanes::nt_b_load_chunk(l), ks & 3);
 #pragma unroll
     for (int np = 0; np < W / 16; ++np) { // pairs of n8 tiles: 16 rows of b
       uint32_t r[4];
-      ldmatrix_x4(r, frag_address(b, nv_lanes::nt_b_load_row(l), nv_lanes::nt_b_load_chunk(l), np * 16, ks));
+      ldmatrix_x4(r, base + frag_offset(np * 16, ks));
       mma(&s.x[(2 * np) * 4], a, r[0], r[1]);
       mma(&s.x[(2 * np + 1) * 4], a, r[2], r[3]);
     }
@@ -219,13 +236,13 @@ template <class E, int D> struct warp_mma {
   // o += a · b over the first W rows of b, a the band's A fragments (as nn, with P given as fragments).
   template <int W = tile_rows>
   __device__ __forceinline__ static void nn_frags(out_tile& o, const score_frag& a, smem_tile<D> b) {
-    const int l = lane();
+    const nn_bases bases = nn_b_bases(b);
 #pragma unroll
     for (int kk = 0; kk < W / 16; ++kk) {
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
         uint32_t r[4];
-        ldmatrix_x4_trans(r, frag_address(b, nv_lanes::nn_b_load_row(l), nv_lanes::nn_b_load_chunk(l), kk * 16, dp));
+        ldmatrix_x4_trans(r, bases.at[dp & 3] + frag_offset(kk * 16, dp));
         mma(&o.x[(2 * dp) * 4], a.x[kk], r[0], r[1]);
         mma(&o.x[(2 * dp + 1) * 4], a.x[kk], r[2], r[3]);
       }
@@ -235,7 +252,7 @@ template <class E, int D> struct warp_mma {
 private:
   template <int W, bool Sums>
   __device__ __forceinline__ static void nn_chain(out_tile& o, sum_tile* sums, const score_tile& p, smem_tile<D> b) {
-    const int l = lane();
+    const nn_bases bases = nn_b_bases(b);
     const uint32_t one = E::pack(1.f, 1.f);
 #pragma unroll
     for (int kk = 0; kk < W / 16; ++kk) { // 16 rows of b per step
@@ -245,7 +262,7 @@ private:
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) { // pairs of n8 tiles along the head dim
         uint32_t r[4];
-        ldmatrix_x4_trans(r, frag_address(b, nv_lanes::nn_b_load_row(l), nv_lanes::nn_b_load_chunk(l), kk * 16, dp));
+        ldmatrix_x4_trans(r, bases.at[dp & 3] + frag_offset(kk * 16, dp));
         mma(&o.x[(2 * dp) * 4], a, r[0], r[1]);
         mma(&o.x[(2 * dp + 1) * 4], a, r[2], r[3]);
       }

@@ -265,6 +265,10 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), backward_min_bl
   const int tid = threadIdx.x, row0 = (tid / M::threads) * 16;
   const int kv = s.valid(j);
   const int64_t rows_total = s.rows_total();
+  // The query tiles' valid counts by multiplication (tile_valid_counter), as in the forward: through s.valid each
+  // pair took three 32-bit divisions in software, twice. (Not in the recomputing dq: there ptxas then took 240
+  // registers instead of 168 at D = 128 on sm_80, a block an SM fewer.)
+  const auto count = s.valid_counter();
 
   constexpr bool products_s = !Sched::few_blocks; // the dense pass reads its scores and needs no K
   if (products_s) copy_tile(sk, p.k.tile(b, hk, j), p.k.token, kv, tid, nthreads);
@@ -288,7 +292,7 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), backward_min_bl
   };
   const auto load_q = [&](int g, int64_t pos, int buf, row_stats& r) {
     const int64_t h = hk * p.group + g, i = s.at(pos), bh = b * p.q_heads + h;
-    const int qv = s.valid(i);
+    const int qv = count.valid(i);
     if (feed.on()) {
       if (tid == 0) feed.load(buf, sq(buf), sdo(buf), i, h, b);
     } else {
@@ -309,7 +313,7 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), backward_min_bl
   };
   // Waits for the pair in stage buf; `uses` counts the earlier waits on that stage (its barrier's phase).
   const auto wait_q = [&](int64_t pos, int buf, int64_t uses) {
-    if (feed.on()) feed.wait(buf, uses, sq(buf), sdo(buf), s.valid(s.at(pos)), tid, nthreads);
+    if (feed.on()) feed.wait(buf, uses, sq(buf), sdo(buf), count.valid(s.at(pos)), tid, nthreads);
   };
 
   typename M::out_tile dk, dv;
@@ -344,7 +348,7 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), backward_min_bl
     // Statistics of the current query tile's rows, from shared memory or straight from global memory.
     const int64_t cur_i = s.at(pos), cur_bh = b * p.q_heads + hk * p.group + g,
                   cur_row = cur_bh * rows_total + cur_i * 64;
-    const int cur_valid = s.valid(cur_i);
+    const int cur_valid = count.valid(cur_i);
     const auto lse2 = [&](int c) {
       if constexpr (stats_in_smem) return stats[buf * 128 + c];
       return c < cur_valid ? p.lse[cur_row + c] * log2_e : __builtin_huge_valf();

@@ -91,9 +91,10 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads))
 
   int64_t begin, end;
   s.range(bh, i, begin, end);
+  const auto count = s.valid_counter(); // as in attention_dkdv_kernel
   const auto load = [&](int64_t pos, int buf) {
     const int64_t j = s.at(pos);
-    const int kv = s.valid(j);
+    const int kv = count.valid(j);
     copy_tile(sk(buf), p.k.tile(b, hk, j), p.k.token, kv, tid, nthreads);
     const int32_t slot = p.ds_map[pos];
     const uint16_t* src = slots + (slot < 0 ? 0 : static_cast<int64_t>(slot)) * slot_elems;
@@ -126,7 +127,7 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads))
       const uint4 c = *reinterpret_cast<const uint4*>(sds(step) + 8 * M::frag_chunk(row0, kk));
       a.x[kk][0] = c.x, a.x[kk][1] = c.y, a.x[kk][2] = c.z, a.x[kk][3] = c.w;
     }
-    with_step_width<Narrow>(s.valid(s.at(pos)),
+    with_step_width<Narrow>(count.valid(s.at(pos)),
                             [&](auto width) { M::template nn_frags<decltype(width)::value>(dq, a, sk(step)); });
     __syncthreads(); // every warp has read K before a later step's copy refills this stage
   }
