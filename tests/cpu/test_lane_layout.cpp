@@ -889,3 +889,73 @@ TEST_CASE("amd lane layout: V stored transposed is read as nn's A operands, conf
   amd_transposed_tile<64>(rng);
   amd_transposed_tile<128>(rng);
 }
+
+// The MFMA backend and AMD's tile copy address a tile as a pointer of the lane's plus a constant that becomes the
+// instruction's immediate offset (amd_mfma.hpp: load_operand, nn, nn_t; matrix.hpp: copy_tile): for every load they
+// make the two must add up to the tile's own placement of the element (smem_layout::row_chunk_offset,
+// transposed_offset), and the constant must fit the 16-bit byte offset of ds_read and ds_write.
+template <int D> int amd_split_addresses() {
+  namespace sl = vsa::gpu::smem_layout;
+  const auto placed = [](int row, int col) { return sl::row_chunk_offset(D, row, col >> 3) + (col & 7); };
+  const auto immediate = [](int step) { return step >= 0 && 2 * step < (1 << 16); };
+  int checked = 0;
+  for (int l = 0; l < amd::lanes; ++l) {
+    const int lr = amd::operand_row(l), lk = amd::operand_k(l);
+    // nt's operands (load_operand): rows r0 + operand_row, r0 a band (row0) or a 16-row block of b, k step ks.
+    for (int r0 = 0; r0 < vsa::gpu::tile_rows; r0 += 16)
+      for (int ks = 0; ks < D / 16; ++ks) {
+        const int step = sl::row_step_part(D, r0, 0);
+        for (int i = 0; i < 4; ++i) // the 8-byte read's four elements, in order
+          CHECK(sl::row_lane_part(D, lr, 16 * ks + lk) + step + i == placed(r0 + lr, 16 * ks + lk + i));
+        CHECK(immediate(step));
+        ++checked;
+      }
+    // nn's B operand (row-major: dq's K, dk/dv's Q and dO): rows 16kk + operand_k + i of column 16dt + operand_row,
+    // at the lane's pointer for x = 2(dt mod 4) ^ i.
+    for (int kk = 0; kk < 4; ++kk)
+      for (int dt = 0; dt < D / 16; ++dt)
+        for (int i = 0; i < 4; ++i) {
+          const int x = (2 * (dt & 3)) ^ i;
+          const int step = sl::row_step_part(D, 16 * kk, 64 * (dt >> 2)) + i * D;
+          CHECK(sl::row_lane_part(D, lk, (8 * x) ^ lr) + step == placed(16 * kk + lk + i, 16 * dt + lr));
+          CHECK(immediate(step));
+          ++checked;
+        }
+    // nn_t's B operand (V stored transposed): unit (16kk + operand_k) / 4 of column 16dt + operand_row.
+    for (int kk = 0; kk < 4; ++kk)
+      for (int dt = 0; dt < D / 16; ++dt) {
+        const int u = (16 * kk + lk) / sl::transposed_unit, step = sl::transposed_step_part(16 * dt);
+        CHECK(sl::transposed_offset(lr, u) + step == sl::transposed_offset(16 * dt + lr, u));
+        CHECK(immediate(step));
+        ++checked;
+      }
+  }
+  // copy_tile's whole tiles: thread tid keeps chunk column tid mod chunks and steps by `rows` rows; every chunk of the
+  // tile is written once.
+  constexpr int chunks = D / 8;
+  for (int nthreads : {128, 256, 512}) {
+    const int rows = nthreads / chunks;
+    if (nthreads % chunks != 0 || rows % 8 != 0 || vsa::gpu::tile_rows % rows != 0) continue;
+    std::vector<int> written(vsa::gpu::tile_rows * chunks, 0);
+    for (int tid = 0; tid < nthreads; ++tid) {
+      const int c = tid % chunks, r0 = tid / chunks;
+      for (int k = 0; k < vsa::gpu::tile_rows / rows; ++k) {
+        const int step = sl::row_step_part(D, k * rows, 0);
+        const int at = sl::row_chunk_offset(D, r0, c) + step;
+        CHECK(at == sl::row_chunk_offset(D, r0 + k * rows, c));
+        CHECK(immediate(step));
+        ++written[at / 8];
+        ++checked;
+      }
+    }
+    CHECK(std::all_of(written.begin(), written.end(), [](int w) { return w == 1; }));
+  }
+  return checked;
+}
+
+TEST_CASE("amd lane layout: the split fragment and copy addresses are the tile's placement", "[cpu]") {
+  // Per lane: nt 4 · D/16, nn 4 · D/16 · 4, nn_t 4 · D/16; copy_tile: 64 · D/8 chunks for each thread count (at
+  // D = 64 and 128 all three step by whole groups of 8 rows).
+  CHECK(amd_split_addresses<64>() == 64 * (16 + 64 + 16) + 3 * 512);
+  CHECK(amd_split_addresses<128>() == 64 * (32 + 128 + 32) + 3 * 1024);
+}

@@ -188,20 +188,18 @@ __device__ __forceinline__ void copy_chunk(uint16_t* d, const uint16_t* s, const
 template <int D> __device__ __forceinline__ void copy_tile(smem_tile<D> dst, const uint16_t* src, int64_t row_stride,
                                                            int valid, int tid, int nthreads) {
   constexpr int chunks = smem_tile<D>::chunks;
-#if VSA_PLATFORM_NVIDIA
   if (nthreads % chunks == 0 && (nthreads / chunks) % 8 == 0 && tile_rows % (nthreads / chunks) == 0) {
     // Every block width the kernels use: a thread keeps one chunk column and steps by whole groups of eight
     // rows, which leaves the swizzle (row mod 8) unchanged, so both addresses move by a fixed step. The
     // general loop below recomputes the row, column and swizzle of every chunk: ~20 instructions a chunk
-    // against ~6 here, which made the sparse passes 1.16x faster on the H200 (bench/NOTES.md, v6). Not on
-    // AMD: there the copy goes through registers, and with the copies unrolled the linear query-gradient
-    // kernel (bf16, D = 128) spills.
+    // against ~6 here, which made the sparse passes 1.16x faster on the H200 (bench/NOTES.md, v6).
+    const int c = tid % chunks, r0 = tid / chunks, rows = nthreads / chunks;
+#if VSA_PLATFORM_NVIDIA
     // The shared address is taken once: rows is a multiple of 8, so chunk (r0 + k·rows, c) lies k·rows whole rows of
     // its panel past chunk (r0, c), a constant the copy takes as its immediate offset. The source moves in bytes. A
     // whole tile (every key tile of a video without partial tiles, and most of any other) copies without the
     // per-chunk test and select of a partial one. Through copy_chunk each chunk took its addresses again: ~10
-    // instructions a chunk (PTX of the sm_80 forward), 16 chunks a thread a step at D = 128.
-    const int c = tid % chunks, r0 = tid / chunks, rows = nthreads / chunks;
+    // instructions a chunk (PTX of the sm_80 forward), 16 chunks a thread a step at D = 128 (bench/NOTES.md, v25).
     const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst.chunk(r0, c)));
     const int d_step = rows * smem_layout::panel_cols * 2;
     const char* s = reinterpret_cast<const char*>(src + r0 * row_stride + c * 8);
@@ -217,8 +215,35 @@ template <int D> __device__ __forceinline__ void copy_tile(smem_tile<D> dst, con
       }
     }
     return;
-  }
+#else
+    // AMD, where the copy goes through registers: the shared address is one pointer plus constant offsets (the
+    // chunks lie rows·D elements apart: row_step_part), the global one a byte pointer stepping by a fixed stride, and a
+    // whole tile issues all its loads before the first store, without a test a chunk. Through the general loop each
+    // chunk took ~25 instructions (its addresses, the loop's count, the test and the zero fill) and waited for its
+    // load before the next one (bench/NOTES-amd.md, "LDS addresses").
+    uint16_t* d = dst.chunk(r0, c);
+    const char* s = reinterpret_cast<const char*>(src + r0 * row_stride + c * 8);
+    const int64_t s_step = rows * row_stride * 2;
+    if (valid >= tile_rows) {
+      uint4 v[tile_rows / 8];
+#pragma unroll
+      for (int k = 0; k < tile_rows / rows; ++k) v[k] = *reinterpret_cast<const uint4*>(s + k * s_step);
+#pragma unroll
+      for (int k = 0; k < tile_rows / rows; ++k)
+        *reinterpret_cast<uint4*>(d + smem_layout::row_step_part(D, k * rows, 0)) = v[k];
+    } else {
+      // copy_chunk's test, written out: through copy_chunk the compiler joined the two arms through flow blocks (the
+      // dk/dv kernel at D = 64: 51 instructions more on the path that amd-isa-check counts).
+#pragma unroll
+      for (int k = 0; k < tile_rows / rows; ++k) {
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (r0 + k * rows < valid) v = *reinterpret_cast<const uint4*>(s + k * s_step);
+        *reinterpret_cast<uint4*>(d + smem_layout::row_step_part(D, k * rows, 0)) = v;
+      }
+    }
+    return;
 #endif
+  }
   for (int i = tid; i < tile_rows * chunks; i += nthreads) {
     const int r = i / chunks, c = i % chunks;
     copy_chunk(dst.chunk(r, c), src + r * row_stride + c * 8, src, r < valid);

@@ -35,6 +35,15 @@ VSA_HOST_DEVICE constexpr int panel_lane_part(int lr, int lc, int q) {
 VSA_HOST_DEVICE constexpr int panel_step_part(int r0, int s) { return (s >> 2) * panel + r0 * panel_cols; }
 // AMD: whole rows of d elements.
 VSA_HOST_DEVICE constexpr int row_chunk_offset(int d, int row, int c) { return row * d + ((c ^ (row & 7)) << 3); }
+// Element (row, col) of that layout, split for the MFMA backend's fragment loads and the tile copy (amd_mfma.hpp,
+// copy_tile): the XOR acts within 8 rows and 64 columns, so element (r0 + r, c0 + c) for r0 a multiple of 8 and c0 of
+// 64 lies at row_lane_part(d, r, c) + row_step_part(d, r0, c0). With (r, c) of the lane and the k step and (r0, c0)
+// of the unrolled counters, the first part is one pointer a tile and the second the load's immediate offset.
+VSA_HOST_DEVICE constexpr int row_lane_part(int d, int r, int c) { return row_chunk_offset(d, r, c >> 3) + (c & 7); }
+VSA_HOST_DEVICE constexpr int row_step_part(int d, int r0, int c0) { return r0 * d + c0; }
+// nn's B operand is read down a column, four rows r … r+3 (r a multiple of 4) a lane: row r + i of column c < 64 lies
+// at row_lane_part(d, r, c ^ 8i) + i·d (r + i and r differ only in the bits the XOR sees), so for c = 16q + lc, lc <
+// 16, its lane part is that of column 8x ^ lc, x = 2q ^ i: 8 addresses a lane for the 16 pairs of q and i.
 
 // AMD, a tile stored transposed (smem_tile_transposed): the operand that an MFMA product reads along the tile's rows
 // (V in P·V, whose k axis is the key) as d rows of the tile's 64 rows, in 8-byte units of four. The MFMA takes four
@@ -46,6 +55,9 @@ constexpr int transposed_unit = 4; // tile rows an 8-byte unit holds
 VSA_HOST_DEVICE constexpr int transposed_offset(int col, int unit) {
   return col * tile_rows + ((unit ^ (col & 15)) * transposed_unit);
 }
+// The XOR acts within 16 columns: for c0 a multiple of 16, column c0 + c lies c0 · 64 past column c (nn_t's lane part
+// for c = operand_row < 16 and the load's immediate offset for c0, as with row_lane_part).
+VSA_HOST_DEVICE constexpr int transposed_step_part(int c0) { return c0 * tile_rows; }
 // The copy into that layout: thread-sized blocks of 4 tile rows × 8 columns (four 16-byte loads, eight 8-byte
 // stores), block b at unit b mod 16 and 16-byte chunk b / 16, so that the 16 lanes of a store share the chunk.
 VSA_HOST_DEVICE constexpr int transposed_block_unit(int block) { return block & 15; }
