@@ -222,8 +222,8 @@ template <class E, int D> struct warp_mma {
   // One 16-byte store to global memory. A uint4 assigned through the slot pointer came out of NVVM (CUDA 13.0) as
   // four 4-byte stores in the dk/dv kernel, though as one in a kernel of the store alone: 16 store instructions a
   // step instead of 4, each a quarter as wide. Streaming (.cs: evict first in L2): the slots, gigabytes written
-  // once and read once by dq, should not push out of L2 the Q and dO tiles that dk/dv's other blocks of the
-  // head are about to read again.
+  // once and read once by dq, then push fewer of the Q and dO tiles that dk/dv reads again out of L2 (DRAM reads
+  // 1.98 -> 1.52 GB at wan2.1; the kernel's time did not move with them: bench/NOTES.md, v25).
   __device__ __forceinline__ static void store16(uint16_t* p, const uint32_t (&r)[4]) {
     asm volatile("st.global.cs.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
                  : "memory");

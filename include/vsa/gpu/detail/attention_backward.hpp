@@ -266,8 +266,8 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), backward_min_bl
   const int kv = s.valid(j);
   const int64_t rows_total = s.rows_total();
   // The query tiles' valid counts by multiplication (tile_valid_counter), as in the forward: through s.valid each
-  // pair took three 32-bit divisions in software, twice. (Not in the recomputing dq: there ptxas then took 240
-  // registers instead of 168 at D = 128 on sm_80, a block an SM fewer.)
+  // pair took three 32-bit divisions in software, two or three times. (Not in the recomputing dq: there ptxas then took
+  // 240 registers instead of 168 at D = 128 on sm_80, a block an SM fewer.)
   const auto count = s.valid_counter();
 
   constexpr bool products_s = !Sched::few_blocks; // the dense pass reads its scores and needs no K
