@@ -86,15 +86,16 @@ inline double forward_flops(const problem& p, int64_t k) {
   return 4.0 * p.batch * p.q_heads * s * (k * 64.0) * p.head_dim;
 }
 
-// q, k, v and dO of a shape, and room for o and the gradients; k is the op's at its default sparsity.
+// q, k, v and dO of a shape, and room for o and the gradients; k is the op's at its default sparsity. With `extra`
+// tokens, the tensors of the joint pass: N·64 + extra tokens.
 struct inputs {
   problem p;
   int64_t k, tokens;
   buffer q, kk, v, o, d_o, dq, dk, dv;
   tensor view(const buffer& b, int64_t heads) const { return bshd(b.get(), p.batch, tokens, heads, p.head_dim); }
-  explicit inputs(const shape& s)
+  explicit inputs(const shape& s, int64_t extra = 0)
       : p(anchor_problem(s)), k(resolve_top_k(tile_geometry(p.grid).num_tiles(), options{})),
-        tokens(tile_geometry(p.grid).tiled_tokens()) {
+        tokens(tile_geometry(p.grid).tiled_tokens() + extra) {
     const int64_t n = p.batch * tokens * p.q_heads * p.head_dim;
     q = random_elements(n, p.type, 1);
     kk = random_elements(n, p.type, 2);

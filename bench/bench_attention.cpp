@@ -2,6 +2,8 @@
 // TFLOP/s and `work` are counted as attention_inputs.hpp says.
 #include "attention_inputs.hpp"
 
+#include <vsa/gpu/joint_attention.hpp>
+
 #include <string>
 
 namespace vsa {
@@ -65,6 +67,50 @@ void sparse_backward_recompute(benchmark::State& state, const shape& s) {
   time_sparse_backward(state, in, lists_of(s, false), in.k, true);
 }
 
+// The joint pass (joint_attention.hpp) with `count` extra tokens after the video, on the uniform lists of the video
+// tiles (k a row), forward or backward (after one forward): inputs of its own, N·64 + count tokens. TFLOP/s over the
+// computed blocks, as for the video-only pass: N·(k + X) + X·(N + X) block pairs a head, X = ⌈count/64⌉.
+void joint_pass(benchmark::State& state, const shape& s, int64_t count, bool backward_pass) {
+  inputs& in = kept<inputs>(std::string(s.name) + "/E" + std::to_string(count), s, count);
+  const problem& p = in.p;
+  const extra_tokens extra{count, false};
+  const device_lists& lists = uniform_lists_of(s, in.k);
+  const const_index_lists idx = as_const(lists.view(in.k));
+  const float scale = 1.f / std::sqrt(float(p.head_dim));
+  const auto q = as_const(in.view(in.q, p.q_heads)), k = as_const(in.view(in.kk, p.kv_heads)),
+             v = as_const(in.view(in.v, p.kv_heads));
+  buffer lse(p.batch * p.q_heads * in.tokens * 4);
+  const std::size_t fbytes = joint_sparse_attention_forward_workspace(p, extra);
+  buffer fws(fbytes > 0 ? fbytes : 1);
+  const auto forward_call = [&] {
+    check(joint_sparse_attention_forward(p, extra, scale, q, k, v, idx, in.view(in.o, p.q_heads), lse.get<float>(),
+                                         fws.get(), fbytes, nullptr),
+          "joint forward");
+  };
+  if (!backward_pass) {
+    time_on_stream(state, nullptr, forward_call);
+  } else {
+    forward_call();
+    std::size_t bbytes = 0;
+    check(joint_sparse_attention_backward(p, extra, scale, q, k, v, q, q, nullptr, idx, {}, {}, {}, nullptr, bbytes,
+                                          nullptr),
+          "joint workspace size");
+    buffer ws(bbytes);
+    time_on_stream(state, nullptr, [&] {
+      check(joint_sparse_attention_backward(p, extra, scale, q, k, v, as_const(in.view(in.o, p.q_heads)),
+                                            as_const(in.view(in.d_o, p.q_heads)), lse.get<float>(), idx,
+                                            in.view(in.dq, p.q_heads), in.view(in.dk, p.kv_heads),
+                                            in.view(in.dv, p.kv_heads), ws.get(), bbytes, nullptr),
+            "joint backward");
+    });
+  }
+  const double n = double(tile_geometry(p.grid).num_tiles()), x = double((count + 63) / 64);
+  const double pairs = n * (double(in.k) + x) + x * (n + x);
+  const double flops = 4.0 * p.batch * p.q_heads * pairs * 64.0 * 64.0 * p.head_dim * (backward_pass ? 2.5 : 1.0);
+  state.counters["pairs"] = pairs / (n * double(in.k)); // against the video-only pass's
+  state.counters["TFLOP/s"] = benchmark::Counter(flops * 1e-12, benchmark::Counter::kIsIterationInvariantRate);
+}
+
 void op_forward_backward(benchmark::State& state, const shape& s, bool backward_pass, bool host) {
   time_op(state, inputs_of(s), options{}, backward_pass, host);
 }
@@ -86,6 +132,12 @@ const bool registered = [] {
     benchmark::RegisterBenchmark(("sparse_backward_recompute/" + n).c_str(), sparse_backward_recompute, s)
         ->UseManualTime()
         ->Unit(benchmark::kMillisecond);
+    // The joint pass with 256 extra tokens (a text prompt) after the video.
+    for (const bool backward_pass : {false, true})
+      benchmark::RegisterBenchmark(((backward_pass ? "joint_backward/" : "joint_forward/") + n + "/E256").c_str(),
+                                   joint_pass, s, int64_t{256}, backward_pass)
+          ->UseManualTime()
+          ->Unit(benchmark::kMillisecond);
     benchmark::RegisterBenchmark(("op_forward/" + n).c_str(), op_forward_backward, s, false, false)
         ->UseManualTime()
         ->Unit(benchmark::kMillisecond);

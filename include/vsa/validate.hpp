@@ -391,6 +391,17 @@ inline status check_sparse_forward_disjoint(const problem& p, const const_tensor
                         {view_footprint("q", q, p, p.q_heads), view_footprint("k", k, p, p.kv_heads),
                          view_footprint("v", v, p, p.kv_heads), l.q2k, l.count});
 }
+// joint_sparse_attention_forward: as check_sparse_forward_disjoint, the workspace with the outputs.
+inline status check_joint_forward_disjoint(const problem& p, const const_tensor& q, const const_tensor& k,
+                                           const const_tensor& v, const const_index_lists& idx, const tensor& o_s,
+                                           const float* lse, const extra_tokens& extra, const void* workspace,
+                                           std::size_t workspace_bytes) {
+  const list_footprints l = lists_footprint(p, idx, false);
+  return check_disjoint({view_footprint("o_s", o_s, p, p.q_heads), buffer_footprint("lse", lse, lse_bytes(p, extra)),
+                         buffer_footprint("workspace", workspace, workspace_bytes)},
+                        {view_footprint("q", q, p, p.q_heads), view_footprint("k", k, p, p.kv_heads),
+                         view_footprint("v", v, p, p.kv_heads), l.q2k, l.count});
+}
 inline status check_sparse_backward_disjoint(const problem& p, const const_tensor& q, const const_tensor& k,
                                              const const_tensor& v, const const_tensor& o_s, const const_tensor& d_o,
                                              const float* lse, const const_index_lists& idx, bool with_k2q,

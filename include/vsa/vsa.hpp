@@ -16,6 +16,7 @@
 #include "gpu/block_means.hpp"
 // The sparse stage before the coarse pass, as in op.hpp (the order in which their kernels are emitted).
 #include "gpu/sparse_attention.hpp"
+#include "gpu/joint_attention.hpp"
 #include "gpu/coarse_attention.hpp"
 #include "gpu/combine.hpp"
 #include "gpu/index.hpp"

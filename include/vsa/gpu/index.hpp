@@ -304,6 +304,46 @@ template <int Threads = k2q_small_threads> __global__ void __launch_bounds__(Thr
   }
 }
 
+// The launches of build_k2q (below) over `n` tiles and `heads` heads of q2k lists, once checked; workspace of
+// k2q_layout(n, heads).total() bytes. The joint pass (joint_attention.hpp) calls it on lists over the video's tiles
+// and the extra tokens' blocks.
+inline status launch_k2q(int64_t n, const k2q_layout& layout, const index_lists& idx, void* workspace,
+                         stream_t stream) {
+  unsigned char* w = static_cast<unsigned char*>(workspace);
+  k2q_params kp{idx.q2k,
+                idx.q2k_count,
+                idx.k2q,
+                idx.k2q_offset,
+                reinterpret_cast<uint32_t*>(w),
+                reinterpret_cast<int32_t*>(w + layout.mask_bytes),
+                reinterpret_cast<int32_t*>(w + layout.mask_bytes + layout.base_bytes),
+                reinterpret_cast<int32_t*>(w + layout.mask_bytes + layout.base_bytes + layout.local_bytes),
+                layout.heads,
+                n,
+                idx.q2k_capacity,
+                layout.chunks,
+                layout.columns,
+                layout.count_blocks};
+  status s;
+  if (k2q_small_fits(n)) {
+    const int smem = static_cast<int>(k2q_small_smem(n));
+    if (!(s = runtime_status(allow_dynamic_shared(k2q_small_kernel<>, smem), "setting build_k2q's shared-memory size")))
+      return s;
+    const int64_t ranges = (n + k2q_small_columns - 1) / k2q_small_columns;
+    return launch("build_k2q", k2q_small_kernel<>, grid_blocks(layout.heads * ranges), k2q_small_threads, smem, stream,
+                  false, kp);
+  }
+  const int64_t ranges = (layout.columns + k2q_mark_columns - 1) / k2q_mark_columns;
+  if (!(s = launch("build_k2q (mark)", k2q_mark_kernel<>, grid_blocks(layout.heads * layout.chunks * ranges),
+                   k2q_threads, 0, stream, false, kp)))
+    return s;
+  if (!(s = launch("build_k2q (count)", k2q_count_kernel<>, grid_blocks(layout.heads * layout.count_blocks),
+                   k2q_threads, 0, stream, false, kp)))
+    return s;
+  return launch("build_k2q (fill)", k2q_fill_kernel<>, grid_blocks(layout.heads * layout.chunks), k2q_threads, 0,
+                stream, false, kp);
+}
+
 } // namespace detail
 } // namespace gpu
 
@@ -338,41 +378,7 @@ inline status build_k2q(const problem& p, index_lists idx, void* workspace, std:
   if (!(s = check_pointer("k2q", idx.k2q, 4))) return s;
   if (!(s = check_pointer("k2q_offset", idx.k2q_offset, 4))) return s;
   if (!(s = check_k2q_disjoint(p, idx, workspace, layout.total()))) return s;
-
-  namespace gd = gpu::detail;
-  unsigned char* w = static_cast<unsigned char*>(workspace);
-  gd::k2q_params kp{idx.q2k,
-                    idx.q2k_count,
-                    idx.k2q,
-                    idx.k2q_offset,
-                    reinterpret_cast<uint32_t*>(w),
-                    reinterpret_cast<int32_t*>(w + layout.mask_bytes),
-                    reinterpret_cast<int32_t*>(w + layout.mask_bytes + layout.base_bytes),
-                    reinterpret_cast<int32_t*>(w + layout.mask_bytes + layout.base_bytes + layout.local_bytes),
-                    layout.heads,
-                    n,
-                    idx.q2k_capacity,
-                    layout.chunks,
-                    layout.columns,
-                    layout.count_blocks};
-  if (gd::k2q_small_fits(n)) {
-    const int smem = static_cast<int>(gd::k2q_small_smem(n));
-    if (!(s = gpu::runtime_status(gpu::allow_dynamic_shared(gd::k2q_small_kernel<>, smem),
-                                  "setting build_k2q's shared-memory size")))
-      return s;
-    const int64_t ranges = (n + gd::k2q_small_columns - 1) / gd::k2q_small_columns;
-    return gpu::launch("build_k2q", gd::k2q_small_kernel<>, gd::grid_blocks(layout.heads * ranges),
-                       gd::k2q_small_threads, smem, stream, false, kp);
-  }
-  const int64_t ranges = (layout.columns + gd::k2q_mark_columns - 1) / gd::k2q_mark_columns;
-  if (!(s = gpu::launch("build_k2q (mark)", gd::k2q_mark_kernel<>,
-                        gd::grid_blocks(layout.heads * layout.chunks * ranges), gd::k2q_threads, 0, stream, false, kp)))
-    return s;
-  if (!(s = gpu::launch("build_k2q (count)", gd::k2q_count_kernel<>,
-                        gd::grid_blocks(layout.heads * layout.count_blocks), gd::k2q_threads, 0, stream, false, kp)))
-    return s;
-  return gpu::launch("build_k2q (fill)", gd::k2q_fill_kernel<>, gd::grid_blocks(layout.heads * layout.chunks),
-                     gd::k2q_threads, 0, stream, false, kp);
+  return gpu::detail::launch_k2q(n, layout, idx, workspace, stream);
 }
 
 } // namespace vsa

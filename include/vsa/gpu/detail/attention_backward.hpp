@@ -55,10 +55,12 @@ struct backward_params {
 };
 
 // Writes a 16 × D band of an fp32 accumulator: scaled, plus the coarse gradient spread over the tile's
-// valid rows, zero in padding rows.
+// valid rows, zero in padding rows where the tile's padding rows are rows of the output (padding: the schedule's
+// padding_stored of the tile).
 template <class E, int D, class M, class Sched, class Rows>
 __device__ __forceinline__ void store_band(const typename M::out_tile& acc, float scale, int row0, int valid,
-                                           const Rows& out, float* out_f32, const float* fold, int64_t fold_row) {
+                                           const Rows& out, float* out_f32, const float* fold, int64_t fold_row,
+                                           bool padding = Sched::has_padding_rows) {
   const float fold_scale = valid > 0 ? 1.f / valid : 0.f;
   // The coarse gradient's row, all of it read before the first store: read in the loop, each load would wait
   // for the store before it (nothing tells the compiler that the pointers differ), one dependent load a pair
@@ -72,7 +74,7 @@ __device__ __forceinline__ void store_band(const typename M::out_tile& acc, floa
 #pragma unroll
   for (int e = 0; e < M::out_elems; e += 2) {
     const int row = row0 + M::elem_row(e), col = M::elem_col(e);
-    if ((!Sched::has_padding_rows && row >= valid) || out.skips(row, valid)) continue;
+    if ((!padding && row >= valid) || out.skips(row, valid)) continue;
     float x0 = 0.f, x1 = 0.f;
     if (row < valid) {
       x0 = acc.x[e] * scale;
@@ -108,7 +110,8 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), dq_min_blocks(M
   const auto sk = [&](int buf) { return smem_tile<D>{sm + (2 + 2 * buf) * 64 * D}; };
   const auto sv = [&](int buf) { return smem_tile<D>{sm + (3 + 2 * buf) * 64 * D}; };
 
-  const int64_t i = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  int64_t i, h, b;
+  s.query_block(i, h, b);
   const int64_t bh = b * p.q_heads + h, hk = h / p.group;
   const int tid = threadIdx.x, row0 = (tid / M::threads) * 16;
   const int q_valid = s.valid(i);
@@ -126,16 +129,16 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), dq_min_blocks(M
   const auto load_kv = [&](int64_t pos, int buf) {
     const int64_t j = s.at(pos);
     if (feed.on()) {
-      if (tid == 0) feed.load(sk(0), sv(0), j);
+      if (tid == 0) feed.load(sk(0), sv(0), s.token0(j));
       return;
     }
     const int kv = s.valid(j);
-    copy_tile(sk(buf), p.k.tile(b, hk, j), p.k.token, kv, tid, nthreads);
-    copy_tile(sv(buf), p.v.tile(b, hk, j), p.v.token, kv, tid, nthreads);
+    copy_tile(sk(buf), p.k.at(b, hk, s.token0(j)), p.k.token, kv, tid, nthreads);
+    copy_tile(sv(buf), p.v.at(b, hk, s.token0(j)), p.v.token, kv, tid, nthreads);
   };
   constexpr bool products_s = !Sched::few_blocks; // the dense pass reads its scores and needs no Q
-  if (products_s) copy_tile(sq, p.q.tile(b, h, i), p.q.token, q_valid, tid, nthreads);
-  copy_tile(sdo, p.d_o.tile(b, h, i), p.d_o.token, q_valid, tid, nthreads);
+  if (products_s) copy_tile(sq, p.q.at(b, h, s.token0(i)), p.q.token, q_valid, tid, nthreads);
+  copy_tile(sdo, p.d_o.at(b, h, s.token0(i)), p.d_o.token, q_valid, tid, nthreads);
   if (begin < end) load_kv(begin, 0);
   copy_commit();
 
@@ -145,8 +148,8 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), dq_min_blocks(M
   for (int r = 0; r < R; ++r) {
     const int row = row0 + M::slot_row(r);
     const bool live = row < q_valid;
-    lse2[r] = live ? p.lse[bh * rows_total + i * 64 + row] * log2_e : __builtin_huge_valf();
-    delta[r] = live ? p.delta[bh * rows_total + i * 64 + row] : 0.f;
+    lse2[r] = live ? p.lse[bh * rows_total + s.token0(i) + row] * log2_e : __builtin_huge_valf();
+    delta[r] = live ? p.delta[bh * rows_total + s.token0(i) + row] : 0.f;
   }
   typename M::out_tile dq;
 #pragma unroll
@@ -178,7 +181,7 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), dq_min_blocks(M
       const auto refill_v = [&] {
         if (feed.on()) {
           __syncthreads(); // every warp's dO·Vᵀ has read V
-          if (tid == 0 && pos + 1 < end) feed.load_v(sv(0), s.at(pos + 1));
+          if (tid == 0 && pos + 1 < end) feed.load_v(sv(0), s.token0(s.at(pos + 1)));
         }
       };
       if (feed.on()) vc.wait(sv(0), kv, tid, nthreads, W);
@@ -216,7 +219,7 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), dq_min_blocks(M
 
     if (feed.on()) {
       __syncthreads(); // every warp's dS·K has read K
-      if (tid == 0 && pos + 1 < end) feed.load_k(sk(0), s.at(pos + 1));
+      if (tid == 0 && pos + 1 < end) feed.load_k(sk(0), s.token0(s.at(pos + 1)));
       continue;
     }
     if (stages == 1) {
@@ -230,7 +233,8 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), dq_min_blocks(M
 
   float* f32 = p.dq_f32 != nullptr ? p.dq_f32 + (bh * rows_total + i * 64) * D : nullptr;
   with_out_rows<RasterOut, M>(p.dq, s, b, h, i, row0, q_valid, [&](const auto& rows) {
-    store_band<E, D, M, Sched>(dq, p.scale, row0, q_valid, rows, f32, p.fold_q, bh * s.tiles + i);
+    store_band<E, D, M, Sched>(dq, p.scale, row0, q_valid, rows, f32, s.video_tile(i) ? p.fold_q : nullptr,
+                               bh * s.video_tiles() + i, s.padding_stored(i));
   });
 }
 
@@ -271,8 +275,8 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), backward_min_bl
   const auto count = s.valid_counter();
 
   constexpr bool products_s = !Sched::few_blocks; // the dense pass reads its scores and needs no K
-  if (products_s) copy_tile(sk, p.k.tile(b, hk, j), p.k.token, kv, tid, nthreads);
-  copy_tile(sv, p.v.tile(b, hk, j), p.v.token, kv, tid, nthreads);
+  if (products_s) copy_tile(sk, p.k.at(b, hk, s.token0(j)), p.k.token, kv, tid, nthreads);
+  copy_tile(sv, p.v.at(b, hk, s.token0(j)), p.v.token, kv, tid, nthreads);
 
   // The (query head, query tile) pairs of this key tile: the lists of every head of the group, in order.
   const auto locate = [&](int g, int64_t& begin, int64_t& end) {
@@ -294,15 +298,15 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), backward_min_bl
     const int64_t h = hk * p.group + g, i = s.at(pos), bh = b * p.q_heads + h;
     const int qv = count.valid(i);
     if (feed.on()) {
-      if (tid == 0) feed.load(buf, sq(buf), sdo(buf), i, h, b);
+      if (tid == 0) feed.load(buf, sq(buf), sdo(buf), s.token0(i), h, b);
     } else {
-      copy_tile(sq(buf), p.q.tile(b, h, i), p.q.token, qv, tid, nthreads);
-      copy_tile(sdo(buf), p.d_o.tile(b, h, i), p.d_o.token, qv, tid, nthreads);
+      copy_tile(sq(buf), p.q.at(b, h, s.token0(i)), p.q.token, qv, tid, nthreads);
+      copy_tile(sdo(buf), p.d_o.at(b, h, s.token0(i)), p.d_o.token, qv, tid, nthreads);
     }
     r = {__builtin_huge_valf(), 0.f};
     if (stats_in_smem && tid < 64 && tid < qv) {
-      r.lse2 = p.lse[bh * rows_total + i * 64 + tid] * log2_e;
-      r.delta = p.delta[bh * rows_total + i * 64 + tid];
+      r.lse2 = p.lse[bh * rows_total + s.token0(i) + tid] * log2_e;
+      r.delta = p.delta[bh * rows_total + s.token0(i) + tid];
     }
   };
   const auto put_stats = [&](const row_stats& r, int buf) {
@@ -347,7 +351,7 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), backward_min_bl
 
     // Statistics of the current query tile's rows, from shared memory or straight from global memory.
     const int64_t cur_i = s.at(pos), cur_bh = b * p.q_heads + hk * p.group + g,
-                  cur_row = cur_bh * rows_total + cur_i * 64;
+                  cur_row = cur_bh * rows_total + s.token0(cur_i);
     const int cur_valid = count.valid(cur_i);
     const auto lse2 = [&](int c) {
       if constexpr (stats_in_smem) return stats[buf * 128 + c];
@@ -404,11 +408,14 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), backward_min_bl
   const int64_t bhk = b * p.kv_heads + hk;
   float* kf = p.dk_f32 != nullptr ? p.dk_f32 + (bhk * rows_total + j * 64) * D : nullptr;
   float* vf = p.dv_f32 != nullptr ? p.dv_f32 + (bhk * rows_total + j * 64) * D : nullptr;
+  const bool video = s.video_tile(j); // the extra tokens' tiles have no folds
   with_out_rows<M>(p.dk, p.raster_out, s, b, hk, j, row0, kv, [&](const auto& rows) {
-    store_band<E, D, M, Sched>(dk, p.scale, row0, kv, rows, kf, p.fold_k, bhk * s.tiles + j);
+    store_band<E, D, M, Sched>(dk, p.scale, row0, kv, rows, kf, video ? p.fold_k : nullptr,
+                               bhk * s.video_tiles() + j, s.padding_stored(j));
   });
   with_out_rows<M>(p.dv, p.raster_out, s, b, hk, j, row0, kv, [&](const auto& rows) {
-    store_band<E, D, M, Sched>(dv, 1.f, row0, kv, rows, vf, p.fold_v, bhk * s.tiles + j);
+    store_band<E, D, M, Sched>(dv, 1.f, row0, kv, rows, vf, video ? p.fold_v : nullptr, bhk * s.video_tiles() + j,
+                               s.padding_stored(j));
   });
 }
 
@@ -440,14 +447,14 @@ template <class E, int D, class Sched> __global__ void __launch_bounds__(256)
   const int64_t tile = blockIdx.x, h = blockIdx.y, b = blockIdx.z, bh = b * p.q_heads + h;
   const int tid = static_cast<int>(threadIdx.x) % 256, col = (tid % lanes) * 8, sub = tid / lanes;
   const int valid = s.valid(tile);
-  const bool coarse = p.o_c != nullptr, gated = coarse && p.gate.data != nullptr;
+  const bool coarse = p.o_c != nullptr && s.video_tile(tile), gated = coarse && p.gate.data != nullptr;
   const auto load8 = [&](const operand& t, int r) {
-    return *reinterpret_cast<const uint4*>(t.data + b * t.batch + h * t.head + (tile * 64 + r) * t.token + col);
+    return *reinterpret_cast<const uint4*>(t.data + b * t.batch + h * t.head + (s.token0(tile) + r) * t.token + col);
   };
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
   const uint4 cv = coarse ? *reinterpret_cast<const uint4*>(p.o_c + (bh * p.tiles + tile) * D + col) : zero;
   const bool restore = p.o_residual != nullptr;
-  const int8_t* residual = restore ? p.o_residual + (bh * s.rows_total() + tile * 64) * D + col : nullptr;
+  const int8_t* residual = restore ? p.o_residual + (bh * s.rows_total() + s.token0(tile)) * D + col : nullptr;
   // o may be in raster order (the whole op's output_order; its rows found as with_out_rows does); d_o and the
   // gate are tiled.
   const auto row_terms = [&](const auto& o_row) {
@@ -484,19 +491,21 @@ template <class E, int D, class Sched> __global__ void __launch_bounds__(256)
       }
 #pragma unroll
       for (int m = lanes / 2; m > 0; m /= 2) acc += shfl_xor(acc, m);
-      const int64_t row = tile * 64 + sub + k * rows_per_pass;
-      if (row < s.rows_total() && col == 0) p.delta[bh * s.rows_total() + row] = acc;
+      // Rows past the valid ones only where they are rows (the padding slots of a video tile).
+      const int64_t row = s.token0(tile) + sub + k * rows_per_pass;
+      if (row < s.rows_total() && (s.padding_stored(tile) || sub + k * rows_per_pass < valid) && col == 0)
+        p.delta[bh * s.rows_total() + row] = acc;
     }
   };
   const uint16_t* const head = p.o.data + b * p.o.batch + h * p.o.head;
-  if constexpr (Sched::has_padding_rows) { // the sparse schedule: video tiles
+  if constexpr (Sched::has_padding_rows && !Sched::joint) { // the sparse schedule: video tiles
     if (p.o_raster) {
       const raster_rows map = s.geo.raster_rows_of(tile);
       row_terms([&](int r) { return head + map.token(r) * p.o.token; });
       return;
     }
   }
-  row_terms([&](int r) { return head + (tile * 64 + r) * p.o.token; });
+  row_terms([&](int r) { return head + (s.token0(tile) + r) * p.o.token; });
 }
 
 // Longest-first launch order of the dk/dv blocks within each (batch, kv head). The selection from data is

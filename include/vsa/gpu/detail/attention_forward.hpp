@@ -75,7 +75,8 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
       row_sums::value && (!Narrow || tune.ones_narrow) && smem_plan<D>::forward_ones(hopper_code, Sched::few_blocks);
   uint16_t* const ones = sm + (2 * stages + 1) * 64 * D;
 
-  const int64_t i = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  int64_t i, h, b;
+  s.query_block(i, h, b);
   const int64_t bh = b * p.q_heads + h, hk = h / p.group;
   // The block is nthreads wide, so the modulo changes nothing but what the compiler knows: tid < nthreads,
   // which lets it narrow the index arithmetic derived from tid. With that and the loop over a step count
@@ -102,10 +103,10 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
   constexpr bool products_s = !Sched::few_blocks;
   // copy_tile path; j = -1 copies nothing but zeros.
   const auto load_k = [&](int64_t j, int kv, int buf) {
-    if (products_s) copy_tile(sk(buf), p.k.tile(b, hk, j), p.k.token, kv, tid, nthreads);
+    if (products_s) copy_tile(sk(buf), p.k.at(b, hk, s.token0(j)), p.k.token, kv, tid, nthreads);
   };
   const auto load_v = [&](int64_t j, int kv, int buf) {
-    copy_nn_operand<M>(sv(buf), p.v.tile(b, hk, j), p.v.token, kv, tid, nthreads);
+    copy_nn_operand<M>(sv(buf), p.v.at(b, hk, s.token0(j)), p.v.token, kv, tid, nthreads);
   };
   const auto load_kv = [&](int64_t j, int buf) {
     const int kv = count.valid(j);
@@ -116,12 +117,12 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
   // count (two divisions, done by multiplication: tile_valid_counter) waits behind the step's products.
   int64_t j = steps > 0 ? s.at(begin) : -1, j_next = steps > 1 ? s.at(begin + 1) : -1;
   int kv = count.valid(j);
-  if (products_s) copy_tile(sq, p.q.tile(b, h, i), p.q.token, q_valid, tid, nthreads);
+  if (products_s) copy_tile(sq, p.q.at(b, h, s.token0(i)), p.q.token, q_valid, tid, nthreads);
   if (steps > 0) {
     if (feed.on()) {
       if (tid == 0) {
-        feed.load(sk(0), sv(0), j);
-        if (overlap && steps > 1) feed.load(sk(1), sv(1), j_next, 1);
+        feed.load(sk(0), sv(0), s.token0(j));
+        if (overlap && steps > 1) feed.load(sk(1), sv(1), s.token0(j_next), 1);
       }
     } else if (q_in_v) {
       load_k(j, kv, 0);
@@ -275,7 +276,7 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
           nt_fresh<M, W>(st, qf, sq, row0, sk(buf));
           if (feed.on()) {
             __syncthreads(); // every warp's Q·Kᵀ has read K
-            if (tid == 0 && pos + 1 < end) feed.load_k(sk(0), j_next);
+            if (tid == 0 && pos + 1 < end) feed.load_k(sk(0), s.token0(j_next));
           }
         }
 
@@ -297,7 +298,7 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
 
       if (feed.on()) {
         __syncthreads(); // every warp's P·V has read V
-        if (tid == 0 && pos + 1 < end) feed.load_v(sv(0), j);
+        if (tid == 0 && pos + 1 < end) feed.load_v(sv(0), s.token0(j));
         continue;
       }
       if (stages == 1) {
@@ -318,16 +319,18 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
     const int row = row0 + M::slot_row(r);
     const bool live = row < q_valid && total > 0.f;
     inv[r] = live ? 1.f / total : 0.f;
-    if ((Sched::has_padding_rows || row < q_valid) && M::row_leader())
-      p.lse[bh * rows_total + i * 64 + row] = live ? (m[r] + log2f(total)) * ln_2 : inf;
+    if ((s.padding_stored(i) || row < q_valid) && M::row_leader())
+      p.lse[bh * rows_total + s.token0(i) + row] = live ? (m[r] + log2f(total)) * ln_2 : inf;
   }
-  const uint16_t* oc = p.o_c != nullptr ? p.o_c + (bh * s.tiles + i) * D : nullptr;
-  const uint16_t* gate = p.gate.data != nullptr ? p.gate.tile(b, h, i) : nullptr;
+  // The combine epilogue's coarse rows and gate are the video tiles' (joint_schedule: not the extra tokens').
+  const bool combined = p.o_c != nullptr && s.video_tile(i);
+  const uint16_t* oc = combined ? p.o_c + (bh * s.video_tiles() + i) * D : nullptr;
+  const uint16_t* gate = combined && p.gate.data != nullptr ? p.gate.at(b, h, s.token0(i)) : nullptr;
   with_out_rows<RasterOut, M>(p.o, s, b, h, i, row0, q_valid, [&](const auto& out) {
 #pragma unroll
     for (int e = 0; e < M::out_elems; e += 2) {
       const int row = row0 + M::elem_row(e), col = M::elem_col(e);
-      if ((!Sched::has_padding_rows && row >= q_valid) || out.skips(row, q_valid)) continue;
+      if ((!s.padding_stored(i) && row >= q_valid) || out.skips(row, q_valid)) continue;
       const float sc = inv[M::elem_slot(e)];
       float x0 = o.x[e] * sc, x1 = o.x[e + 1] * sc;
       if (oc != nullptr && row < q_valid) {
@@ -341,7 +344,7 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
       if (p.o_residual != nullptr) {
         const int8_t r0 = residual_encode(x0, E::to_float(static_cast<uint16_t>(packed & 0xffffu)), E::type);
         const int8_t r1 = residual_encode(x1, E::to_float(static_cast<uint16_t>(packed >> 16)), E::type);
-        *reinterpret_cast<uint16_t*>(p.o_residual + (bh * rows_total + i * 64 + row) * D + col) =
+        *reinterpret_cast<uint16_t*>(p.o_residual + (bh * rows_total + s.token0(i) + row) * D + col) =
             static_cast<uint16_t>(static_cast<uint8_t>(r0) | (static_cast<uint8_t>(r1) << 8));
       }
     }

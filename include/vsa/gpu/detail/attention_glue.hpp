@@ -129,7 +129,7 @@ template <class Sched> gpu::detail::delta_params delta_base(const problem& p, co
   dp.o_c = nullptr;
   dp.q_heads = p.q_heads;
   dp.rows_total = sched.rows_total();
-  dp.tiles = sched.tiles;
+  dp.tiles = sched.video_tiles(); // o_c's rows: the video tiles'
   return dp;
 }
 

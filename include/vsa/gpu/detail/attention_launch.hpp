@@ -40,16 +40,16 @@ template <class Kernel> status prepare(Kernel k, int smem_bytes) {
 // that has tiles they pay on; the coarse pass never instantiates them.
 template <class Sched, class F> auto narrow_or_not(const Sched& s, F&& kernel_of) {
   if constexpr (!Sched::few_blocks) {
-    if (has_narrow_tiles(s.geo)) return kernel_of(std::true_type{});
+    if (s.narrow_pays()) return kernel_of(std::true_type{});
   }
   return kernel_of(std::false_type{});
 }
 
 // kernel_of(std::bool_constant<Raster>) for outputs in raster order (raster_out) where the kernel takes
 // the order as a template parameter (the forward and dq: with_out_rows says why); only the sparse schedule
-// instantiates the raster kernels.
+// instantiates the raster kernels (not the joint one: its extra tokens have no raster positions).
 template <class Sched, class F> auto raster_or_not(bool raster, F&& kernel_of) {
-  if constexpr (!Sched::few_blocks) {
+  if constexpr (!Sched::few_blocks && !Sched::joint) {
     if (raster) return kernel_of(std::true_type{});
   }
   (void)raster;
@@ -170,6 +170,10 @@ template <bool Can = stores_ds_here> bool stores_ds_for(dtype t, int64_t d) {
   return takes;
 }
 
+// Hopper's warp-specialized dk/dv for a schedule (head dim 128 only: named where has_split below holds).
+template <class E, int D, class Sched>
+inline constexpr auto split_dkdv = hopper::hopper_dkdv_kernel<E, D, hopper::dkdv_tuning, false, Sched>;
+
 template <class E, int D, class Sched> status launch_backward(const backward_params& bp, const Sched& q_sched,
                                                               const Sched& k_sched, int64_t batch, stream_t stream) {
   using M = warp_mma<E, D>;
@@ -206,17 +210,16 @@ template <class E, int D, class Sched> status launch_backward(const backward_par
     const bool pairs_fit = bp.group * k_sched.tiles * k_sched.capacity < (int64_t(1) << 31);
     if (hopper && b.tma != 0 && bp.order != nullptr && bp.dk_f32 == nullptr && bp.dv_f32 == nullptr && pairs_fit) {
       int split_static = 0;
-      st = runtime_status(kernel_static_smem(hopper::hopper_dkdv_kernel<E, D>, &split_static),
-                          "querying a kernel's shared memory");
+      st = runtime_status(kernel_static_smem(split_dkdv<E, D, Sched>, &split_static), "querying a kernel's shared memory");
       if (!st) return st;
       split = split_static > 0;
-      if (split) st = prepare(hopper::hopper_dkdv_kernel<E, D>, hopper::dkdv_plan<D>::bytes);
+      if (split) st = prepare(split_dkdv<E, D, Sched>, hopper::dkdv_plan<D>::bytes);
       if (!st) return st;
     }
   }
   // dq from the dS that dk/dv stores, where the workspace holds slots (ds_units), the backend can store them and the
   // table takes it.
-  if constexpr (!Sched::few_blocks && stores_score_frags<warp_mma<E, D>>::value) {
+  if constexpr (!Sched::few_blocks && !Sched::joint && stores_score_frags<warp_mma<E, D>>::value) {
     if (bp.ds_units > 0 && bp.order != nullptr && tuning::of(hopper).dq_from_stored_ds(D))
       return launch_backward_stored<E, D>(b, q_sched, k_sched, batch, hopper, split, stream);
   }
@@ -229,7 +232,7 @@ template <class E, int D, class Sched> status launch_backward(const backward_par
   if (!st) return st;
   if constexpr (has_split) {
     if (split) {
-      return launch("attention backward (dk, dv)", hopper::hopper_dkdv_kernel<E, D>,
+      return launch("attention backward (dk, dv)", split_dkdv<E, D, Sched>,
                     static_cast<unsigned>(k_sched.tiles * bp.kv_heads * batch), hopper::block_threads,
                     hopper::dkdv_plan<D>::bytes, stream, false, b, k_sched);
     }

@@ -23,6 +23,10 @@ struct operand {
   __device__ __forceinline__ uint16_t* tile(int64_t b, int64_t h, int64_t tile_index) const {
     return data + b * batch + h * head + tile_index * 64 * token;
   }
+  // The row of token `first` (a schedule's token0 of a tile): tile(b, h, i) is at(b, h, 64·i).
+  __device__ __forceinline__ uint16_t* at(int64_t b, int64_t h, int64_t first) const {
+    return data + b * batch + h * head + first * token;
+  }
 };
 template <class P> inline operand make_operand(const basic_tensor<P>& t) {
   return {static_cast<uint16_t*>(const_cast<void*>(static_cast<const void*>(t.data))), t.batch_stride, t.token_stride,
@@ -33,7 +37,24 @@ inline operand make_dense_operand(const void* data, int64_t heads, int64_t rows,
   return {static_cast<uint16_t*>(const_cast<void*>(data)), heads * rows * head_dim, head_dim, rows * head_dim};
 }
 
+// How many of a tile's 64 rows a step's products cover: its valid rows rounded up to 16, the matrix
+// instructions' step, as 16, 32 or 64 (33 to 48 round to 64, which keeps the variants of a loop to three). A
+// partial tile at the edge of the video holds 1 to 48 valid tokens (its extent along each axis is 1 to 4; on
+// wan2.1's 21 × 30 × 52 grid 169 of the 624 tiles hold 8, 16 or 32), and past them there is only padding,
+// whose scores the kernels would mask to a zero probability: cut there, a step's products and exponentials
+// shrink to a quarter or a half. The forward and dq narrow their steps by the key tile. with_step_width calls
+// f with the width as a type (step_width<W>), so that each width is its own unrolled code. Narrow = false
+// keeps one width, 64: the kernels take it as a template parameter, set only where the grid has such tiles,
+// because the loop of three widths measured 2% slower on a grid without them (fastvideo-bench-49k forward;
+// bench/NOTES.md, v12). The coarse pass (dense_schedule) never narrows: it has one partial block a row and
+// column.
+// step_rows is the rule, for whoever counts the kernels' work (the benchmarks); with_step_width branches on it.
+VSA_HOST_DEVICE constexpr int step_rows(int valid) { return valid <= 16 ? 16 : valid <= 32 ? 32 : tile_rows; }
+// Whether a grid has tiles that narrow steps pay on: its last tile, at the far edge of every axis, holds the fewest.
+inline bool has_narrow_tiles(const tile_geometry& geo) { return step_rows(geo.valid(geo.num_tiles() - 1)) < tile_rows; }
+
 struct sparse_schedule {
+  static constexpr bool joint = false;           // joint_schedule below
   static constexpr bool has_padding_rows = true; // tiled tensors hold all 64 slots of every tile
   static constexpr bool few_blocks = false;      // a block per query tile and head: many waves
   tile_geometry geo;
@@ -44,6 +65,16 @@ struct sparse_schedule {
   int64_t tiles;         // N
 
   __host__ __device__ __forceinline__ int64_t rows_total() const { return tiles * 64; }
+  // Row of tile t's first slot in the tensors (and in lse and delta); whether its padding slots are rows of them.
+  __device__ __forceinline__ int64_t token0(int64_t t) const { return t * 64; }
+  __device__ __forceinline__ static constexpr bool padding_stored(int64_t) { return true; }
+  // The query tile, head and batch of a block of the forward or dq: its grid's (tiles, heads, batch) coordinates.
+  __device__ __forceinline__ static void query_block(int64_t& i, int64_t& h, int64_t& b) {
+    i = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  }
+  // The tiles of the video grid, which have coarse rows (o_c) and folds and raster positions: every tile here.
+  __device__ __forceinline__ static constexpr bool video_tile(int64_t) { return true; }
+  __host__ __device__ __forceinline__ int64_t video_tiles() const { return tiles; }
   // Range [begin, end) of list entries of (head bh, tile i). Counts and offsets come from the caller or
   // from earlier kernels; they are clamped so that a corrupt list can cost results, never memory safety.
   __device__ __forceinline__ void range(int64_t bh, int64_t i, int64_t& begin, int64_t& end) const {
@@ -73,27 +104,69 @@ struct sparse_schedule {
   };
   __device__ __forceinline__ fast_valid valid_counter() const { return {tile_valid_counter(geo)}; }
 
+  // Whether the grid has tiles that narrow steps pay on (the host's choice of kernel: narrow_or_not).
+  bool narrow_pays() const { return has_narrow_tiles(geo); }
+
 private:
   __device__ __forceinline__ static int64_t clamp(int64_t x, int64_t lo, int64_t hi) {
     return x < lo ? lo : (x > hi ? hi : x);
   }
 };
 
-// How many of a tile's 64 rows a step's products cover: its valid rows rounded up to 16, the matrix
-// instructions' step, as 16, 32 or 64 (33 to 48 round to 64, which keeps the variants of a loop to three). A
-// partial tile at the edge of the video holds 1 to 48 valid tokens (its extent along each axis is 1 to 4; on
-// wan2.1's 21 × 30 × 52 grid 169 of the 624 tiles hold 8, 16 or 32), and past them there is only padding,
-// whose scores the kernels would mask to a zero probability: cut there, a step's products and exponentials
-// shrink to a quarter or a half. The forward and dq narrow their steps by the key tile. with_step_width calls
-// f with the width as a type (step_width<W>), so that each width is its own unrolled code. Narrow = false
-// keeps one width, 64: the kernels take it as a template parameter, set only where the grid has such tiles,
-// because the loop of three widths measured 2% slower on a grid without them (fastvideo-bench-49k forward;
-// bench/NOTES.md, v12). The coarse pass (dense_schedule) never narrows: it has one partial block a row and
-// column.
-// step_rows is the rule, for whoever counts the kernels' work (the benchmarks); with_step_width branches on it.
-VSA_HOST_DEVICE constexpr int step_rows(int valid) { return valid <= 16 ? 16 : valid <= 32 ? 32 : tile_rows; }
-// Whether a grid has tiles that narrow steps pay on: its last tile, at the far edge of every axis, holds the fewest.
-inline bool has_narrow_tiles(const tile_geometry& geo) { return step_rows(geo.valid(geo.num_tiles() - 1)) < tile_rows; }
+// The sparse pass of joint attention (extra_tokens, types.hpp). One tile index space: the N video tiles, then the
+// X = ⌈E/64⌉ blocks of extra tokens as tiles N … N+X−1, the last holding E − 64(X−1) of them. The lists are the
+// video tiles' own with every extra tile appended, and every tile for an extra query tile (joint_attention.hpp builds
+// them, and k2q from them), so that the kernels walk lists and count valid rows as for the video alone. What differs
+// is where a tile's rows are: video tile t at the video's first slot + 64t, extra tile N + x at the extra tokens' first
+// row + 64x, unpadded. The last extra tile's rows past E belong to something else (the video's first slots, or
+// nothing past the end of the tensor), so they are neither read (copy_tile reads valid rows only; the host does not
+// give these kernels the copy engine, whose boxes would read them) nor written (padding_stored).
+struct joint_schedule : sparse_schedule {
+  static constexpr bool joint = true;
+  int64_t video;       // N
+  int64_t video_first; // row of the first video slot (E where the extra tokens come first, else 0)
+  int64_t extra_first; // row of the first extra token (0, or N·64)
+  int64_t rows;        // S = N·64 + E
+  int extra_last;      // valid rows of tile tiles − 1 (X ≥ 1)
+
+  __host__ __device__ __forceinline__ int64_t rows_total() const { return rows; }
+  __device__ __forceinline__ int64_t token0(int64_t t) const {
+    return t < video ? video_first + t * 64 : extra_first + (t - video) * 64;
+  }
+  __device__ __forceinline__ bool padding_stored(int64_t t) const { return t < video; }
+  __device__ __forceinline__ bool video_tile(int64_t t) const { return t < video; }
+  // The extra query tiles walk every tile, N/k times a video tile's steps (10x at 90% sparsity): launched in grid
+  // order, each head's came in its last blocks and ran on alone after the rest (the sm_80 build's forward on wan2.1
+  // with E = 256: 1.34x the video-only one's time for 1.13x its block pairs). So the blocks of the grid (tiles,
+  // heads, batch) take the extra query tiles of every head and batch first, then the video tiles in grid order.
+  __device__ __forceinline__ void query_block(int64_t& i, int64_t& h, int64_t& b) const {
+    const uint64_t heads = gridDim.y, x = static_cast<uint64_t>(tiles - video);
+    const uint64_t linear = blockIdx.x + uint64_t(gridDim.x) * (blockIdx.y + heads * blockIdx.z);
+    const uint64_t extras = x * heads * gridDim.z;
+    const uint64_t per = linear < extras ? x : static_cast<uint64_t>(video), at = linear < extras ? linear : linear - extras;
+    const uint64_t rest = at / per;
+    i = static_cast<int64_t>(at - rest * per) + (linear < extras ? video : 0);
+    h = static_cast<int64_t>(rest % heads);
+    b = static_cast<int64_t>(rest / heads);
+  }
+  __host__ __device__ __forceinline__ int64_t video_tiles() const { return video; }
+  __device__ __forceinline__ int valid(int64_t t) const {
+    return t < 0 ? 0 : t < video ? geo.valid(t) : (t < tiles - 1 ? 64 : extra_last);
+  }
+  struct fast_valid {
+    tile_valid_counter counter;
+    int64_t video, last;
+    int extra_last;
+    __device__ __forceinline__ int valid(int64_t t) const {
+      return t < 0 ? 0 : t < video ? counter.valid(t) : (t < last ? 64 : extra_last);
+    }
+  };
+  __device__ __forceinline__ fast_valid valid_counter() const {
+    return {tile_valid_counter(geo), video, tiles - 1, extra_last};
+  }
+  bool narrow_pays() const { return has_narrow_tiles(geo) || step_rows(extra_last) < tile_rows; }
+};
+
 template <int W> using step_width = std::integral_constant<int, W>;
 // The elements of a score tile of M that hold its first W columns (matrix.hpp).
 template <class M, int W> inline constexpr int step_elems = (W * M::score_elems) / tile_rows;
@@ -133,7 +206,7 @@ template <int R> struct raster_out_rows {
 template <bool Raster, class M, class Sched, class F> __device__ __forceinline__ void
 with_out_rows(const operand& t, const Sched& s, int64_t b, int64_t h, int64_t i, int row0, int valid, F&& f) {
   if constexpr (Raster) {
-    static_assert(Sched::has_padding_rows, "only the sparse schedule's tiles are video tiles");
+    static_assert(Sched::has_padding_rows && !Sched::joint, "only the sparse schedule's tiles are video tiles");
     const raster_rows map = s.geo.raster_rows_of(i);
     uint16_t* const head = t.data + b * t.batch + h * t.head;
     raster_out_rows<M::rows_per_lane> rows;
@@ -144,14 +217,19 @@ with_out_rows(const operand& t, const Sched& s, int64_t b, int64_t h, int64_t i,
     }
     f(rows);
   } else {
-    (void)s, (void)row0, (void)valid;
-    f(tiled_rows{t.tile(b, h, i), t.token});
+    (void)row0, (void)valid;
+    if constexpr (Sched::joint) {
+      f(tiled_rows{t.at(b, h, s.token0(i)), t.token});
+    } else { // the same address; so written, ptxas gave dq from stored dS 16 registers fewer (sm_80, D = 64)
+      (void)s;
+      f(tiled_rows{t.tile(b, h, i), t.token});
+    }
   }
 }
 template <class M, class Sched, class F>
 __device__ __forceinline__ void with_out_rows(const operand& t, bool raster, const Sched& s, int64_t b, int64_t h,
                                               int64_t i, int row0, int valid, F&& f) {
-  if constexpr (Sched::has_padding_rows) { // the sparse schedule: video tiles
+  if constexpr (Sched::has_padding_rows && !Sched::joint) { // the sparse schedule: video tiles
     if (raster) {
       with_out_rows<true, M>(t, s, b, h, i, row0, valid, f);
       return;
@@ -161,12 +239,20 @@ __device__ __forceinline__ void with_out_rows(const operand& t, bool raster, con
 }
 
 struct dense_schedule {
+  static constexpr bool joint = false;
   static constexpr bool has_padding_rows = false; // the last block's missing rows do not exist in memory
   static constexpr bool few_blocks = true;        // ⌈N/64⌉ blocks a head: usually under one wave of the GPU
   int64_t length;                                 // N rows
   int64_t tiles;                                  // ⌈N / 64⌉
 
   __host__ __device__ __forceinline__ int64_t rows_total() const { return length; }
+  __device__ __forceinline__ int64_t token0(int64_t t) const { return t * 64; }
+  __device__ __forceinline__ static constexpr bool padding_stored(int64_t) { return false; }
+  __device__ __forceinline__ static constexpr bool video_tile(int64_t) { return true; }
+  __host__ __device__ __forceinline__ int64_t video_tiles() const { return tiles; }
+  __device__ __forceinline__ static void query_block(int64_t& i, int64_t& h, int64_t& b) {
+    i = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  }
   __device__ __forceinline__ int valid(int64_t tile) const {
     const int64_t rest = length - tile * 64;
     return rest < 64 ? static_cast<int>(rest) : 64;

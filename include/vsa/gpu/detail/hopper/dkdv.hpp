@@ -67,9 +67,9 @@ template <int D, class T = dkdv_tuning> struct dkdv_plan {
 
 // The (query head, list position) pairs of one key tile, in the portable kernel's order: the lists of every head
 // of the kv head's group, in turn.
-struct dkdv_pairs {
+template <class Sched> struct dkdv_pairs {
   const backward_params& p;
-  const sparse_schedule& s;
+  const Sched& s;
   int64_t b, hk, j;
   int g;
   int64_t pos, end;
@@ -102,8 +102,8 @@ template <int D> struct dkdv_ring {
 // warp (so that each stage has one warp, and the warps' L2 round trips overlap), once that stage's earlier pair has
 // been read (its empty barrier): lane 0 asks the copy engine for Q and dO, every lane reads two rows' statistics
 // into the stage's info, lane 0 the valid count, and each lane arrives on the stage's full barrier after its stores.
-template <int D, int Stages, int Warps>
-__device__ __forceinline__ void produce_pairs(dkdv_pairs& it, const backward_params& p, const sparse_schedule& s,
+template <int D, int Stages, int Warps, class Sched>
+__device__ __forceinline__ void produce_pairs(dkdv_pairs<Sched>& it, const backward_params& p, const Sched& s,
                                               dkdv_ring<D> ring, uint64_t* full, uint64_t* empty, dkdv_stage_info* info,
                                               int lane, int warp) {
   static_assert(Stages % Warps == 0, "each stage filled by one warp");
@@ -113,17 +113,21 @@ __device__ __forceinline__ void produce_pairs(dkdv_pairs& it, const backward_par
     if (n % Warps != warp) continue;
     const int buf = n % Stages, round = n / Stages;
     if (round > 0) tma::wait(&empty[buf], static_cast<uint32_t>((round - 1) & 1));
-    const int64_t h = hk * p.group + it.g, i = s.at(it.pos), row = (b * p.q_heads + h) * rows_total + i * 64;
+    const int64_t h = hk * p.group + it.g, i = s.at(it.pos), first = s.token0(i);
+    const int64_t row = (b * p.q_heads + h) * rows_total + first;
     if (lane == 0)
-      tma::tile_pair{&full[buf], 0u}.load<D>(ring.q(buf), &p.q_map, ring.d_o(buf), &p.do_map, i * 64, h, b);
-    const bool live = i >= 0;
-    const float l0 = live ? p.lse[row + lane] : 0.f, l1 = live ? p.lse[row + 32 + lane] : 0.f;
-    const float d0 = live ? p.delta[row + lane] : 0.f, d1 = live ? p.delta[row + 32 + lane] : 0.f;
+      tma::tile_pair{&full[buf], 0u}.load<D>(ring.q(buf), &p.q_map, ring.d_o(buf), &p.do_map, first, h, b);
+    // Every row of a video tile is a row of lse and delta, padding included; an extra tokens' tile has its valid ones.
+    const int qv = counter.valid(i);
+    const bool live0 = i >= 0 && (s.padding_stored(i) || lane < qv),
+               live1 = i >= 0 && (s.padding_stored(i) || 32 + lane < qv);
+    const float l0 = live0 ? p.lse[row + lane] : 0.f, l1 = live1 ? p.lse[row + 32 + lane] : 0.f;
+    const float d0 = live0 ? p.delta[row + lane] : 0.f, d1 = live1 ? p.delta[row + 32 + lane] : 0.f;
     info[buf].lse2[lane] = l0 * log2_e;
     info[buf].lse2[32 + lane] = l1 * log2_e;
     info[buf].delta[lane] = d0;
     info[buf].delta[32 + lane] = d1;
-    if (lane == 0) info[buf].valid = counter.valid(i);
+    if (lane == 0) info[buf].valid = qv;
     tma::arrive(&full[buf]); // releases this lane's stores
   }
 }
@@ -132,11 +136,13 @@ __device__ __forceinline__ void produce_pairs(dkdv_pairs& it, const backward_par
 // Launched with block_threads threads and dkdv_plan<D, T>::bytes of shared memory, a block per entry of p.order from
 // p.item0; only where the kernel runs as sm_90a code and the tiles' maps encode (backward_params::tma;
 // attention_launch.hpp). The launcher tells the compiled body from the empty one of other builds by the barriers'
-// static shared memory. StoreDs: consumer 1 also stores each pair's dS for dq (attention_dq_stored.hpp).
-template <class E, int D, class T = dkdv_tuning, bool StoreDs = false>
+// static shared memory. StoreDs: consumer 1 also stores each pair's dS for dq (attention_dq_stored.hpp). Sched: the
+// sparse schedule, or the joint one (its extra tokens' tiles: joint_attention.hpp), which never stores dS.
+template <class E, int D, class T = dkdv_tuning, bool StoreDs = false, class Sched = sparse_schedule>
 __global__ void __launch_bounds__(block_threads, 1)
-    hopper_dkdv_kernel(const VSA_GRID_CONSTANT backward_params p, const VSA_GRID_CONSTANT sparse_schedule s) {
+    hopper_dkdv_kernel(const VSA_GRID_CONSTANT backward_params p, const VSA_GRID_CONSTANT Sched s) {
   static_assert(D == 128, "the split pays at head dim 128; D = 64 keeps the portable kernel (bench/NOTES.md, v19)");
+  static_assert(!(StoreDs && Sched::joint), "the joint pass's dq recomputes dS");
 #if VSA_WGMMA
   using M = attention_mma<E, D>;
   constexpr int stages = T::stages;
@@ -167,7 +173,7 @@ __global__ void __launch_bounds__(block_threads, 1)
   }
   __syncthreads();
 
-  dkdv_pairs it{p, s, b, hk, j, 0, 0, 0};
+  dkdv_pairs<Sched> it{p, s, b, hk, j, 0, 0, 0};
   it.first();
   if (wg == 2) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(T::producer_regs) : "memory");
@@ -178,8 +184,8 @@ __global__ void __launch_bounds__(block_threads, 1)
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(T::consumer_regs) : "memory");
 
   // K and V of the block's key tile (padding rows zero-filled), by both consumers.
-  copy_tile(sk, p.k.tile(b, hk, j), p.k.token, kv, tid, 256);
-  copy_tile(sv, p.v.tile(b, hk, j), p.v.token, kv, tid, 256);
+  copy_tile(sk, p.k.at(b, hk, s.token0(j)), p.k.token, kv, tid, 256);
+  copy_tile(sv, p.v.at(b, hk, s.token0(j)), p.v.token, kv, tid, 256);
   copy_commit();
   copy_wait<0>();
   tma::named_sync(consumers_barrier, 256);
@@ -236,14 +242,17 @@ __global__ void __launch_bounds__(block_threads, 1)
         it, full, empty, x, a, acc, [&](int buf) { M::nt_async(x, band, sdo(buf)); },
         [&](int buf) { M::nn_async(acc, a, sq(buf)); }, make_ds);
 
-  const int64_t bhk = b * p.kv_heads + hk;
+  const int64_t bhk = b * p.kv_heads + hk, fold_row = bhk * s.video_tiles() + j;
+  const bool video = s.video_tile(j); // the extra tokens' tiles have no folds
   if (wg == 0)
     with_out_rows<M>(p.dv, p.raster_out, s, b, hk, j, row0, kv, [&](const auto& rows) {
-      store_band<E, D, M, sparse_schedule>(acc, 1.f, row0, kv, rows, nullptr, p.fold_v, bhk * s.tiles + j);
+      store_band<E, D, M, Sched>(acc, 1.f, row0, kv, rows, nullptr, video ? p.fold_v : nullptr, fold_row,
+                                 s.padding_stored(j));
     });
   else
     with_out_rows<M>(p.dk, p.raster_out, s, b, hk, j, row0, kv, [&](const auto& rows) {
-      store_band<E, D, M, sparse_schedule>(acc, p.scale, row0, kv, rows, nullptr, p.fold_k, bhk * s.tiles + j);
+      store_band<E, D, M, Sched>(acc, p.scale, row0, kv, rows, nullptr, video ? p.fold_k : nullptr, fold_row,
+                                 s.padding_stored(j));
     });
 #else
   (void)p, (void)s;

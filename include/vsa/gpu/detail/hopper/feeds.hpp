@@ -66,23 +66,23 @@ template <int Bars, class Params> struct head_engine_feed {
   __device__ __forceinline__ bool on() const { return engine; }
 };
 
-// K and V of key tile `tile` (tokens tile·64 ..) of kv head `head`, batch `batch`, through the maps p.k_map and
-// p.v_map. A loop of one stage waits through k_stage0() and v_stage0(); the overlapped forward (forward_overlap.hpp)
+// K and V of the key tile whose first token is row `first` (a schedule's token0: 64·tile for the video alone), of kv
+// head `head`, batch `batch`, through the maps p.k_map and p.v_map. A loop of one stage waits through k_stage0() and v_stage0(); the overlapped forward (forward_overlap.hpp)
 // has two stages and keeps the barriers' phases itself.
 template <int D, int Bars, class Params> struct kv_engine_feed : head_engine_feed<Bars, Params> {
   using base = head_engine_feed<Bars, Params>;
   using base::base;
 
   // Thread 0: the tile into `t`, counted on the barrier of its kind in stage `stage`.
-  __device__ __forceinline__ void load_k(smem_tile<D> t, int64_t tile, int stage = 0) const {
-    tma::load_tile<D>(t, &this->p.k_map, &this->ready[2 * stage], tile * 64, this->head, this->batch);
+  __device__ __forceinline__ void load_k(smem_tile<D> t, int64_t first, int stage = 0) const {
+    tma::load_tile<D>(t, &this->p.k_map, &this->ready[2 * stage], first, this->head, this->batch);
   }
-  __device__ __forceinline__ void load_v(smem_tile<D> t, int64_t tile, int stage = 0) const {
-    tma::load_tile<D>(t, &this->p.v_map, &this->ready[2 * stage + 1], tile * 64, this->head, this->batch);
+  __device__ __forceinline__ void load_v(smem_tile<D> t, int64_t first, int stage = 0) const {
+    tma::load_tile<D>(t, &this->p.v_map, &this->ready[2 * stage + 1], first, this->head, this->batch);
   }
-  __device__ __forceinline__ void load(smem_tile<D> kt, smem_tile<D> vt, int64_t tile, int stage = 0) const {
-    load_k(kt, tile, stage);
-    load_v(vt, tile, stage);
+  __device__ __forceinline__ void load(smem_tile<D> kt, smem_tile<D> vt, int64_t first, int stage = 0) const {
+    load_k(kt, first, stage);
+    load_v(vt, first, stage);
   }
 
   // Every thread, in a loop of one stage, where on(): waits for K or V of stage 0 through these (tma::tile_one::wait,
@@ -102,8 +102,8 @@ template <int D, int Bars, class Params> struct kv_engine_feed : head_engine_fee
   }
 };
 
-// Q and dO of query tile `tile` of query head `head`, batch `batch`, through p.q_map and p.do_map, both on the
-// barrier of their stage.
+// Q and dO of the query tile whose first token is row `first`, of query head `head`, batch `batch`, through p.q_map
+// and p.do_map, both on the barrier of their stage.
 template <int D, int Stages, class Params> struct qdo_engine_feed {
   using barriers = uint64_t[Stages];
   static constexpr bool copy_engine = true;
@@ -119,9 +119,9 @@ template <int D, int Stages, class Params> struct qdo_engine_feed {
   __device__ __forceinline__ bool on() const { return engine; }
 
   // Thread 0: the pair into stage `stage`.
-  __device__ __forceinline__ void load(int stage, smem_tile<D> q, smem_tile<D> d_o, int64_t tile, int64_t head,
+  __device__ __forceinline__ void load(int stage, smem_tile<D> q, smem_tile<D> d_o, int64_t first, int64_t head,
                                        int64_t batch) const {
-    tma::tile_pair{&ready[stage], 0u}.load<D>(q, &p.q_map, d_o, &p.do_map, tile * 64, head, batch);
+    tma::tile_pair{&ready[stage], 0u}.load<D>(q, &p.q_map, d_o, &p.do_map, first, head, batch);
   }
   // Every thread: waits for the pair in stage `stage`, whose barrier has been waited on `uses` times before, then
   // zeroes both tiles' rows at and past `valid` (tma::tile_pair::wait). A block barrier must follow.

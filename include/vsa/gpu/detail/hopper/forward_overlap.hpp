@@ -45,7 +45,7 @@ __device__ __forceinline__ void forward_overlapped(Feed& feed, const Sched& s, c
     softmax(step_width<tile_rows>{}, st, kv, alpha); // o is still zero: no rescale
     M::pack(pf, st);
     __syncthreads(); // every warp's Q·K_0ᵀ has read stage 0's K
-    if (tid == 0 && steps > 2) feed.load_k(sk(0), j2, 0);
+    if (tid == 0 && steps > 2) feed.load_k(sk(0), s.token0(j2), 0);
   }
   int kv_prev = kv;
   j = j_next; // j, j_next: the tiles of this step and the next
@@ -74,8 +74,8 @@ __device__ __forceinline__ void forward_overlapped(Feed& feed, const Sched& s, c
 
     __syncthreads(); // every warp's products have read K_n and V_{n-1}
     if (tid == 0) {
-      if (pos + 2 < end) feed.load_k(sk(buf), j2, buf);
-      if (pos + 1 < end) feed.load_v(sv(prev), j_next, prev);
+      if (pos + 2 < end) feed.load_k(sk(buf), s.token0(j2), buf);
+      if (pos + 1 < end) feed.load_v(sv(prev), s.token0(j_next), prev);
     }
     kv_prev = kv;
     j = j_next;
