@@ -158,12 +158,14 @@ inline void time_sparse_backward(benchmark::State& state, inputs& in, const devi
 }
 
 // The whole op with `opt` (selection from the inputs, no gate), forward or backward (after one forward), on the
-// GPU's clock or, with `host`, on the caller's (time_on_host).
-inline void time_op(benchmark::State& state, inputs& in, const options& opt, bool backward_pass, bool host) {
+// GPU's clock or, with `host`, on the caller's (time_on_host); with `extra` tokens (inputs made with as many) the
+// joint op (joint_forward, joint_backward).
+inline void time_op(benchmark::State& state, inputs& in, const options& opt, bool backward_pass, bool host,
+                    extra_tokens extra = {}) {
   forward_io fio{as_const(in.view(in.q, in.p.q_heads)), as_const(in.view(in.kk, in.p.kv_heads)),
                  as_const(in.view(in.v, in.p.kv_heads)), const_tensor{}, in.view(in.o, in.p.q_heads)};
   std::size_t fbytes = 0, bbytes = 0;
-  check(forward(in.p, opt, fio, nullptr, fbytes, nullptr), "forward workspace size");
+  check(joint_forward(in.p, extra, opt, fio, nullptr, fbytes, nullptr), "forward workspace size");
   backward_io bio{fio.q,
                   fio.k,
                   fio.v,
@@ -174,10 +176,14 @@ inline void time_op(benchmark::State& state, inputs& in, const options& opt, boo
                   in.view(in.dk, in.p.kv_heads),
                   in.view(in.dv, in.p.kv_heads),
                   tensor{}};
-  check(backward(in.p, opt, bio, nullptr, bbytes, nullptr), "backward workspace size");
+  check(joint_backward(in.p, extra, opt, bio, nullptr, bbytes, nullptr), "backward workspace size");
   buffer ws(std::max(fbytes, bbytes));
-  const auto run_forward = [&] { check(forward(in.p, opt, fio, ws.get(), fbytes, nullptr), "op forward"); };
-  const auto run_backward = [&] { check(backward(in.p, opt, bio, ws.get(), bbytes, nullptr), "op backward"); };
+  const auto run_forward = [&] {
+    check(joint_forward(in.p, extra, opt, fio, ws.get(), fbytes, nullptr), "op forward");
+  };
+  const auto run_backward = [&] {
+    check(joint_backward(in.p, extra, opt, bio, ws.get(), bbytes, nullptr), "op backward");
+  };
   if (backward_pass) run_forward();
   if (host)
     backward_pass ? time_on_host(state, nullptr, run_backward) : time_on_host(state, nullptr, run_forward);

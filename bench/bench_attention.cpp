@@ -115,6 +115,12 @@ void op_forward_backward(benchmark::State& state, const shape& s, bool backward_
   time_op(state, inputs_of(s), options{}, backward_pass, host);
 }
 
+// The whole op with `count` extra tokens after the video (joint_forward, joint_backward).
+void joint_op(benchmark::State& state, const shape& s, int64_t count, bool backward_pass) {
+  inputs& in = kept<inputs>(std::string(s.name) + "/E" + std::to_string(count), s, count);
+  time_op(state, in, options{}, backward_pass, false, extra_tokens{count, false});
+}
+
 const bool registered = [] {
   benchmark::RegisterBenchmark("copy_bandwidth", copy_bandwidth)->UseManualTime()->Unit(benchmark::kMillisecond);
   for (const shape& s : anchors()) {
@@ -136,6 +142,11 @@ const bool registered = [] {
     for (const bool backward_pass : {false, true})
       benchmark::RegisterBenchmark(((backward_pass ? "joint_backward/" : "joint_forward/") + n + "/E256").c_str(),
                                    joint_pass, s, int64_t{256}, backward_pass)
+          ->UseManualTime()
+          ->Unit(benchmark::kMillisecond);
+    for (const bool backward_pass : {false, true})
+      benchmark::RegisterBenchmark(((backward_pass ? "joint_op_backward/" : "joint_op_forward/") + n + "/E256").c_str(),
+                                   joint_op, s, int64_t{256}, backward_pass)
           ->UseManualTime()
           ->Unit(benchmark::kMillisecond);
     benchmark::RegisterBenchmark(("op_forward/" + n).c_str(), op_forward_backward, s, false, false)

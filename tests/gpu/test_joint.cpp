@@ -1,13 +1,16 @@
 // The joint sparse pass on the GPU (joint_attention.hpp) against the CPU reference (reference/joint.hpp), forward
 // and backward: extra counts 0, 1, 77, 256 and 333, before and after the video, partial tiles on every axis, GQA,
 // both layouts, bf16 and fp16, head dims 64 and 128, ragged lists with empty rows; outputs poisoned before every
-// call and checked fully written, the backward bitwise reproducible, and E = 0 bitwise the video-only pass.
+// call and checked fully written, the backward bitwise reproducible, and E = 0 bitwise the video-only pass. Then the
+// whole op with extra tokens (joint_forward, joint_backward in op.hpp) against the reference on the GPU's selection.
 #include "support/gpu.hpp"
 #include "support/host.hpp"
 
 #include <vsa/gpu/joint_attention.hpp>
+#include <vsa/gpu/op.hpp>
 #include <vsa/reference.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -79,6 +82,25 @@ host_tensor with_nan_padding(const host_tensor& x, const joint_axis& a) {
 
 double error_of(const device_tensor& gpu, const host_tensor& ref) { return rel_error(gpu.download(), ref); }
 constexpr double tolerance = 1e-2;
+
+// A backward's dq, dk, dv: fully written, canaries intact, within rounding of the reference's; returns their raw
+// values, one after another, for the bitwise comparison of runs.
+std::vector<double> check_gradients(const device_tensor& dq, const device_tensor& dk, const device_tensor& dv,
+                                    const host_tensor& dq_ref, const host_tensor& dk_ref, const host_tensor& dv_ref) {
+  CHECK(dq.all_written());
+  CHECK(dk.all_written());
+  CHECK(dv.all_written());
+  CHECK(dq.canaries_intact());
+  CHECK(dk.canaries_intact());
+  CHECK(dv.canaries_intact());
+  CHECK(error_of(dq, dq_ref) < tolerance);
+  CHECK(error_of(dk, dk_ref) < tolerance);
+  CHECK(error_of(dv, dv_ref) < tolerance);
+  std::vector<double> all = dq.download_raw(), kk = dk.download_raw(), vv = dv.download_raw();
+  all.insert(all.end(), kk.begin(), kk.end());
+  all.insert(all.end(), vv.begin(), vv.end());
+  return all;
+}
 
 int64_t lse_mismatches(const std::vector<float>& gpu, const std::vector<float>& ref) {
   int64_t bad = 0;
@@ -152,20 +174,8 @@ void check_joint(const config& c, extra_tokens extra, int64_t capacity, const ch
     INFO(sb.message());
     REQUIRE(sb.is_ok());
     VSA_REQUIRE_RT(gpu_sync());
-    CHECK(dq.all_written());
-    CHECK(dk.all_written());
-    CHECK(dv.all_written());
-    CHECK(dq.canaries_intact());
-    CHECK(dk.canaries_intact());
-    CHECK(dv.canaries_intact());
     CHECK(ws.canaries_intact());
-    CHECK(error_of(dq, dq_ref) < tolerance);
-    CHECK(error_of(dk, dk_ref) < tolerance);
-    CHECK(error_of(dv, dv_ref) < tolerance);
-    std::vector<double> all = dq.download_raw(), kk = dk.download_raw(), vv = dv.download_raw();
-    all.insert(all.end(), kk.begin(), kk.end());
-    all.insert(all.end(), vv.begin(), vv.end());
-    runs.push_back(all);
+    runs.push_back(check_gradients(dq, dk, dv, dq_ref, dk_ref, dv_ref));
   }
   CHECK(std::memcmp(runs[0].data(), runs[1].data(), runs[0].size() * sizeof(double)) == 0); // bitwise reproducible
 }
@@ -243,6 +253,115 @@ TEST_CASE("joint sparse attention without extra tokens is the video-only pass", 
   CHECK(dq1.download_raw() == dq2.download_raw());
   CHECK(dk1.download_raw() == dk2.download_raw());
   CHECK(dv1.download_raw() == dv2.download_raw());
+}
+
+// The whole op with extra tokens (joint_forward, joint_backward) against the reference's on the GPU's own selection
+// (reference::joint_forward_on_lists: the coarse branch and gate computed there, the fine pass on the GPU's lists),
+// gated and not, the backward bitwise reproducible; an extra row of dgate must be 0.
+TEST_CASE("the joint whole op matches the reference on its selection", "[gpu][joint][op]") {
+  const extra_tokens extras[] = {{77, true}, {256, false}, {1, true}};
+  int k = 0;
+  for (const config& c : configs()) {
+    const extra_tokens extra = extras[k % 3];
+    const bool gated = (k++ % 2) == 0;
+    const problem p = make_problem(c.grid, c.batch, c.q_heads, c.kv_heads, c.head_dim, c.type);
+    VSA_TEST_RNG(g, "joint-op");
+    INFO(describe(c, extra) << (gated ? " gated" : " ungated"));
+    const joint_axis a(c.grid, extra);
+    options opt{};
+    opt.sparsity = 0.6;
+    const host_tensor q = joint_input(c, a, p.q_heads, g), k_ = joint_input(c, a, p.kv_heads, g),
+                      v = joint_input(c, a, p.kv_heads, g), d_o = joint_input(c, a, p.q_heads, g),
+                      gate = joint_input(c, a, p.q_heads, g);
+    const device_tensor dq_in(q), dk_in(k_), dv_in(v), ddo(d_o), dgate_in(gate);
+    device_tensor o(q, poisoned);
+    const const_tensor gate_view = gated ? dgate_in.cview() : const_tensor{};
+    const forward_io fio{dq_in.cview(), dk_in.cview(), dv_in.cview(), gate_view, o.view()};
+    std::size_t fbytes = 0, bbytes = 0;
+    REQUIRE(joint_forward(p, extra, opt, fio, nullptr, fbytes, nullptr).is_ok());
+    REQUIRE(joint_backward(p, extra, opt, backward_io{}, nullptr, bbytes, nullptr).is_ok());
+    REQUIRE(bbytes >= fbytes);
+    device_buffer ws(bbytes);
+    ws.poison();
+    const status sf = joint_forward(p, extra, opt, fio, ws.get(), bbytes, nullptr);
+    INFO(sf.message());
+    REQUIRE(sf.is_ok());
+    VSA_REQUIRE_RT(gpu_sync());
+    CHECK(o.all_written());
+    CHECK(o.canaries_intact());
+
+    // The GPU's selection, read back through joint_selected_lists' views of the workspace.
+    const_index_lists sel{};
+    REQUIRE(joint_selected_lists(p, extra, opt, ws.get(), sel).is_ok());
+    const int64_t rows = p.batch * p.q_heads * tile_geometry(c.grid).num_tiles();
+    const auto offset_of = [&](const void* x) {
+      return static_cast<int64_t>(static_cast<const unsigned char*>(x) - static_cast<const unsigned char*>(ws.get()));
+    };
+    q2k_lists lists{sel.q2k_capacity, ws.download<int32_t>(offset_of(sel.q2k), rows * sel.q2k_capacity),
+                    ws.download<int32_t>(offset_of(sel.q2k_count), rows)};
+    host_tensor o_ref(c.type, c.batch, a.tokens, p.q_heads, c.head_dim, c.order);
+    const forward_io rio{q.view(), k_.view(), v.view(), gated ? gate.view() : const_tensor{}, o_ref.view()};
+    std::size_t rbytes = 0;
+    REQUIRE(reference::joint_forward_on_lists(p, extra, opt, rio, lists.view(), nullptr, rbytes).is_ok());
+    std::size_t rbbytes = 0;
+    REQUIRE(reference::joint_backward(p, extra, opt, backward_io{}, nullptr, rbbytes).is_ok());
+    aligned_buffer rws(std::max(rbytes, rbbytes));
+    rbytes = rws.size();
+    const status rf = reference::joint_forward_on_lists(p, extra, opt, rio, lists.view(), rws.data(), rbytes);
+    INFO(rf.message());
+    REQUIRE(rf.is_ok());
+    CHECK(error_of(o, o_ref) < tolerance);
+
+    host_tensor dq_ref(c.type, c.batch, a.tokens, p.q_heads, c.head_dim, c.order),
+        dk_ref(c.type, c.batch, a.tokens, p.kv_heads, c.head_dim, c.order),
+        dv_ref(c.type, c.batch, a.tokens, p.kv_heads, c.head_dim, c.order),
+        dg_ref(c.type, c.batch, a.tokens, p.q_heads, c.head_dim, c.order);
+    const backward_io rbio{q.view(),      k_.view(),     v.view(),      gated ? gate.view() : const_tensor{},
+                           o_ref.view(),  d_o.view(),    dq_ref.view(), dk_ref.view(),
+                           dv_ref.view(), gated ? dg_ref.view() : tensor{}};
+    const status rb = reference::joint_backward(p, extra, opt, rbio, rws.data(), rbytes);
+    INFO(rb.message());
+    REQUIRE(rb.is_ok());
+
+    std::vector<std::vector<double>> runs;
+    for (int run = 0; run < 2; ++run) {
+      device_tensor dq(q, poisoned), dk(k_, poisoned), dv(v, poisoned), dg(q, poisoned);
+      const backward_io bio{dq_in.cview(), dk_in.cview(), dv_in.cview(), gate_view, o.cview(),
+                            ddo.cview(),   dq.view(),     dk.view(),     dv.view(), gated ? dg.view() : tensor{}};
+      const status sb = joint_backward(p, extra, opt, bio, ws.get(), bbytes, nullptr);
+      INFO(sb.message());
+      REQUIRE(sb.is_ok());
+      VSA_REQUIRE_RT(gpu_sync());
+      runs.push_back(check_gradients(dq, dk, dv, dq_ref, dk_ref, dv_ref));
+      if (gated) {
+        CHECK(dg.all_written());
+        CHECK(dg.canaries_intact());
+        CHECK(error_of(dg, dg_ref) < tolerance);
+        const host_tensor dgh = dg.download();
+        int64_t nonzero = 0;
+        for (int64_t b = 0; b < dgh.batch; ++b)
+          for (int64_t t = 0; t < dgh.tokens; ++t)
+            if (a.is_extra(t))
+              for (int64_t h = 0; h < dgh.heads; ++h)
+                for (int64_t d = 0; d < dgh.dim; ++d) nonzero += dgh.get(b, t, h, d) != 0.0;
+        CHECK(nonzero == 0);
+      }
+    }
+    CHECK(std::memcmp(runs[0].data(), runs[1].data(), runs[0].size() * sizeof(double)) == 0);
+  }
+  // Raster output is not offered with extra tokens yet: refused, with its own code.
+  const config c = configs()[0];
+  const problem p = make_problem(c.grid, c.batch, c.q_heads, c.kv_heads, c.head_dim, c.type);
+  options raster{};
+  raster.output_order = token_order::raster;
+  std::size_t bytes = 0;
+  const host_tensor shape(c.type, c.batch, joint_axis(c.grid, {77, true}).tokens, p.q_heads, c.head_dim, c.order);
+  device_tensor x(shape, poisoned), o(shape, poisoned);
+  REQUIRE(joint_forward(p, {77, true}, raster, forward_io{}, nullptr, bytes, nullptr).is_ok());
+  device_buffer ws(bytes);
+  CHECK(joint_forward(p, {77, true}, raster, forward_io{x.cview(), x.cview(), x.cview(), {}, o.view()}, ws.get(), bytes,
+                      nullptr)
+            .code() == errc::unsupported);
 }
 
 // Bad arguments: each call returns its own code and leaves every output as it was (poisoned).

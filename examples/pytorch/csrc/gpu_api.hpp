@@ -13,12 +13,13 @@ namespace gpu {
 vsa::status tile(const vsa::problem& p, int64_t heads, vsa::const_tensor raster, vsa::tensor tiled, void* stream);
 vsa::status untile(const vsa::problem& p, int64_t heads, vsa::const_tensor tiled, vsa::tensor raster, void* stream);
 
-vsa::status forward(const vsa::problem& p, const vsa::options& opt, const vsa::forward_io& io, vsa::op_buffers& mem,
-                    void* stream);
-vsa::status backward(const vsa::problem& p, const vsa::options& opt, const vsa::backward_io& io, vsa::op_buffers& mem,
-                     void* stream);
-vsa::status selected_lists(const vsa::problem& p, const vsa::options& opt, const void* state,
-                           vsa::const_index_lists& lists);
+// The whole op, with the extra tokens of joint attention (none: the video-only op).
+vsa::status forward(const vsa::problem& p, const vsa::extra_tokens& extra, const vsa::options& opt,
+                    const vsa::forward_io& io, vsa::op_buffers& mem, void* stream);
+vsa::status backward(const vsa::problem& p, const vsa::extra_tokens& extra, const vsa::options& opt,
+                     const vsa::backward_io& io, vsa::op_buffers& mem, void* stream);
+vsa::status selected_lists(const vsa::problem& p, const vsa::extra_tokens& extra, const vsa::options& opt,
+                           const void* state, vsa::const_index_lists& lists);
 
 vsa::status sparse_forward(const vsa::problem& p, float scale, vsa::const_tensor q, vsa::const_tensor k,
                            vsa::const_tensor v, vsa::const_index_lists lists, vsa::tensor o, float* lse, void* stream);

@@ -19,17 +19,17 @@ vsa::status untile(const vsa::problem& p, int64_t heads, vsa::const_tensor tiled
   return vsa::untile(p, heads, tiled, raster, as_stream(stream));
 }
 
-vsa::status forward(const vsa::problem& p, const vsa::options& opt, const vsa::forward_io& io, vsa::op_buffers& mem,
-                    void* stream) {
-  return vsa::forward(p, opt, io, mem, as_stream(stream));
+vsa::status forward(const vsa::problem& p, const vsa::extra_tokens& extra, const vsa::options& opt,
+                    const vsa::forward_io& io, vsa::op_buffers& mem, void* stream) {
+  return vsa::joint_forward(p, extra, opt, io, mem, as_stream(stream));
 }
-vsa::status backward(const vsa::problem& p, const vsa::options& opt, const vsa::backward_io& io, vsa::op_buffers& mem,
-                     void* stream) {
-  return vsa::backward(p, opt, io, mem, as_stream(stream));
+vsa::status backward(const vsa::problem& p, const vsa::extra_tokens& extra, const vsa::options& opt,
+                     const vsa::backward_io& io, vsa::op_buffers& mem, void* stream) {
+  return vsa::joint_backward(p, extra, opt, io, mem, as_stream(stream));
 }
-vsa::status selected_lists(const vsa::problem& p, const vsa::options& opt, const void* state,
-                           vsa::const_index_lists& lists) {
-  return vsa::selected_lists(p, opt, state, lists);
+vsa::status selected_lists(const vsa::problem& p, const vsa::extra_tokens& extra, const vsa::options& opt,
+                           const void* state, vsa::const_index_lists& lists) {
+  return vsa::joint_selected_lists(p, extra, opt, state, lists);
 }
 
 vsa::status sparse_forward(const vsa::problem& p, float scale, vsa::const_tensor q, vsa::const_tensor k,

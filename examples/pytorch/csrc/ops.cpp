@@ -16,8 +16,9 @@ struct cpu_backend {
   explicit cpu_backend(const at::Tensor& x) {
     TORCH_CHECK_VALUE(x.device().is_cpu(), "vsa: the CPU kernel was given a tensor on ", x.device());
   }
-  static vsa::status forward_query(const vsa::problem& p, const vsa::options& opt, vsa::op_buffers& mem) {
-    return vsa::reference::forward(p, opt, vsa::forward_io{}, mem);
+  static vsa::status forward_query(const vsa::problem& p, const vsa::extra_tokens& extra, const vsa::options& opt,
+                                   vsa::op_buffers& mem) {
+    return vsa::reference::joint_forward(p, extra, opt, vsa::forward_io{}, mem);
   }
 
   vsa::status tile(const vsa::problem& p, int64_t h, vsa::const_tensor x, vsa::tensor y) {
@@ -26,16 +27,18 @@ struct cpu_backend {
   vsa::status untile(const vsa::problem& p, int64_t h, vsa::const_tensor x, vsa::tensor y) {
     return vsa::reference::untile(p, h, x, y);
   }
-  vsa::status forward(const vsa::problem& p, const vsa::options& opt, const vsa::forward_io& io, vsa::op_buffers& mem) {
-    return vsa::reference::forward(p, opt, io, mem);
+  // The whole op, with the extra tokens of joint attention (none: the video-only op).
+  vsa::status forward(const vsa::problem& p, const vsa::extra_tokens& extra, const vsa::options& opt,
+                      const vsa::forward_io& io, vsa::op_buffers& mem) {
+    return vsa::reference::joint_forward(p, extra, opt, io, mem);
   }
-  vsa::status backward(const vsa::problem& p, const vsa::options& opt, const vsa::backward_io& io,
-                       vsa::op_buffers& mem) {
-    return vsa::reference::backward(p, opt, io, mem);
+  vsa::status backward(const vsa::problem& p, const vsa::extra_tokens& extra, const vsa::options& opt,
+                       const vsa::backward_io& io, vsa::op_buffers& mem) {
+    return vsa::reference::joint_backward(p, extra, opt, io, mem);
   }
-  vsa::status selected_lists(const vsa::problem& p, const vsa::options& opt, const void* state,
-                             vsa::const_index_lists& lists) {
-    return vsa::reference::selected_lists(p, opt, state, lists);
+  vsa::status selected_lists(const vsa::problem& p, const vsa::extra_tokens& extra, const vsa::options& opt,
+                             const void* state, vsa::const_index_lists& lists) {
+    return vsa::reference::joint_selected_lists(p, extra, opt, state, lists);
   }
   vsa::status sparse_forward(const vsa::problem& p, float scale, vsa::const_tensor q, vsa::const_tensor k,
                              vsa::const_tensor v, vsa::const_index_lists lists, vsa::tensor o, float* lse) {
@@ -63,7 +66,7 @@ struct cpu_backend {
 // The state size and k of a whole-op call, for the fake kernels: the problem as plain numbers.
 pybind11::tuple op_sizes_py(int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
                             std::vector<int64_t> grid, int64_t type, int64_t top_k, double sparsity,
-                            int64_t q2k_capacity, bool cuda) {
+                            int64_t q2k_capacity, bool cuda, int64_t extra, bool extra_first) {
   vsa::problem p;
   p.batch = batch;
   p.q_heads = q_heads;
@@ -78,12 +81,13 @@ pybind11::tuple op_sizes_py(int64_t batch, int64_t q_heads, int64_t kv_heads, in
   // Caller lists only change the sizes through their capacity; any non-null pointer stands for them.
   static const int32_t stand_in = 0;
   if (q2k_capacity > 0) opt.q2k = vsa::const_index_lists(&stand_in, &stand_in, q2k_capacity);
+  const vsa::extra_tokens ex{extra, extra_first};
   op_sizes s;
   if (cuda) {
     TORCH_CHECK(cuda_sizes() != nullptr, "vsa: this build of the binding has no CUDA kernels");
-    s = cuda_sizes()(p, opt);
+    s = cuda_sizes()(p, ex, opt);
   } else {
-    s = sizes_of<cpu_backend>(p, opt);
+    s = sizes_of<cpu_backend>(p, ex, opt);
   }
   return pybind11::make_tuple(s.state_bytes, s.top_k);
 }
@@ -94,11 +98,14 @@ pybind11::tuple op_sizes_py(int64_t batch, int64_t q_heads, int64_t kv_heads, in
 TORCH_LIBRARY(vsa, m) {
   m.def("tile(Tensor x, int[] grid) -> Tensor");
   m.def("untile(Tensor x, int[] grid) -> Tensor");
+  // extra, extra_first: the extra (text, condition) tokens of joint attention, after the video's tiled slots or
+  // before them (the library's extra_tokens).
   m.def("forward(Tensor q, Tensor k, Tensor v, Tensor? gate, int[] grid, int top_k, float sparsity, float scale, "
-        "Tensor? q2k, Tensor? q2k_count, bool return_selection, bool raster_out) -> (Tensor, Tensor, Tensor, Tensor)");
+        "Tensor? q2k, Tensor? q2k_count, bool return_selection, bool raster_out, int extra=0, bool extra_first=False) "
+        "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def("backward(Tensor d_o, Tensor q, Tensor k, Tensor v, Tensor? gate, Tensor o, Tensor state, int[] grid, "
-        "int top_k, float sparsity, float scale, Tensor? q2k, Tensor? q2k_count, bool raster_out) -> "
-        "(Tensor, Tensor, Tensor, Tensor)");
+        "int top_k, float sparsity, float scale, Tensor? q2k, Tensor? q2k_count, bool raster_out, int extra=0, "
+        "bool extra_first=False) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("sparse_attention(Tensor q, Tensor k, Tensor v, Tensor q2k, Tensor q2k_count, int[] grid, float scale) -> "
         "(Tensor, Tensor)");
   m.def("sparse_attention_backward(Tensor d_o, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor q2k, "

@@ -16,8 +16,9 @@ public:
   static constexpr vsa::target target = vsa::target::gpu;
   explicit cuda_backend(const at::Tensor& x)
       : like_(x), guard_(check_cuda(x)), stream_(at::cuda::getCurrentCUDAStream(x.device().index()).stream()) {}
-  static vsa::status forward_query(const vsa::problem& p, const vsa::options& opt, vsa::op_buffers& mem) {
-    return gpu::forward(p, opt, vsa::forward_io{}, mem, nullptr);
+  static vsa::status forward_query(const vsa::problem& p, const vsa::extra_tokens& extra, const vsa::options& opt,
+                                   vsa::op_buffers& mem) {
+    return gpu::forward(p, extra, opt, vsa::forward_io{}, mem, nullptr);
   }
 
   vsa::status tile(const vsa::problem& p, int64_t h, vsa::const_tensor x, vsa::tensor y) {
@@ -26,16 +27,17 @@ public:
   vsa::status untile(const vsa::problem& p, int64_t h, vsa::const_tensor x, vsa::tensor y) {
     return gpu::untile(p, h, x, y, stream_);
   }
-  vsa::status forward(const vsa::problem& p, const vsa::options& opt, const vsa::forward_io& io, vsa::op_buffers& mem) {
-    return gpu::forward(p, opt, io, mem, stream_);
+  vsa::status forward(const vsa::problem& p, const vsa::extra_tokens& extra, const vsa::options& opt,
+                      const vsa::forward_io& io, vsa::op_buffers& mem) {
+    return gpu::forward(p, extra, opt, io, mem, stream_);
   }
-  vsa::status backward(const vsa::problem& p, const vsa::options& opt, const vsa::backward_io& io,
-                       vsa::op_buffers& mem) {
-    return gpu::backward(p, opt, io, mem, stream_);
+  vsa::status backward(const vsa::problem& p, const vsa::extra_tokens& extra, const vsa::options& opt,
+                       const vsa::backward_io& io, vsa::op_buffers& mem) {
+    return gpu::backward(p, extra, opt, io, mem, stream_);
   }
-  vsa::status selected_lists(const vsa::problem& p, const vsa::options& opt, const void* state,
-                             vsa::const_index_lists& lists) {
-    return gpu::selected_lists(p, opt, state, lists);
+  vsa::status selected_lists(const vsa::problem& p, const vsa::extra_tokens& extra, const vsa::options& opt,
+                             const void* state, vsa::const_index_lists& lists) {
+    return gpu::selected_lists(p, extra, opt, state, lists);
   }
   vsa::status sparse_forward(const vsa::problem& p, float scale, vsa::const_tensor q, vsa::const_tensor k,
                              vsa::const_tensor v, vsa::const_index_lists lists, vsa::tensor o, float* lse) {

@@ -59,12 +59,13 @@ inline void check_state(const at::Tensor& state, const at::Tensor& q, std::size_
 
 // The whole op's forward on tiled tensors: o (in raster order when raster_out: the library's output_order), the
 // state its backward reads, and (return_selection) copies of the selected q2k lists [B, Hq, N, k] and counts
-// [B, Hq, N]; empty tensors otherwise.
+// [B, Hq, N]; empty tensors otherwise. extra, extra_first: joint attention's extra tokens (the library's
+// extra_tokens), whose rows every tensor holds beside the video's.
 template <class Backend>
 tensor_quad forward_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const c10::optional<at::Tensor>& gate, at::IntArrayRef grid, int64_t top_k, double sparsity,
                        double scale, const c10::optional<at::Tensor>& q2k, const c10::optional<at::Tensor>& q2k_count,
-                       bool return_selection, bool raster_out) {
+                       bool return_selection, bool raster_out, int64_t extra, bool extra_first) {
   const char* op = "forward";
   const vsa::problem p = make_problem(q, k, grid, op);
   check_bshd(v, q, op, "v");
@@ -72,17 +73,18 @@ tensor_quad forward_op(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   Backend be(q);
   check(vsa::check_problem(p, Backend::target), op);
   const vsa::options opt = make_options(p, q, top_k, sparsity, scale, q2k, q2k_count, op, raster_out);
+  const vsa::extra_tokens ex{extra, extra_first};
   vsa::op_buffers mem;
-  check(be.forward(p, opt, vsa::forward_io{}, mem), op);
+  check(be.forward(p, ex, opt, vsa::forward_io{}, mem), op);
   const vsa::tile_geometry geo(p.grid);
-  at::Tensor o = empty_like_layout(q, raster_out ? geo.raster_tokens() : geo.tiled_tokens(), p.q_heads);
+  at::Tensor o = empty_like_layout(q, (raster_out ? geo.raster_tokens() : geo.tiled_tokens()) + extra, p.q_heads);
   at::Tensor state = bytes_tensor(mem.state_bytes, q), scratch = bytes_tensor(mem.scratch_bytes, q);
   mem.state = state.data_ptr();
   mem.scratch = data_or_null(scratch);
-  check(be.forward(p, opt, vsa::forward_io{in(q), in(k), in(v), in(gate), out(o)}, mem), op);
+  check(be.forward(p, ex, opt, vsa::forward_io{in(q), in(k), in(v), in(gate), out(o)}, mem), op);
   at::Tensor lists = no_tensor(q, at::kInt), counts = no_tensor(q, at::kInt);
   vsa::const_index_lists sel;
-  if (return_selection) check(be.selected_lists(p, opt, state.data_ptr(), sel), op);
+  if (return_selection) check(be.selected_lists(p, ex, opt, state.data_ptr(), sel), op);
   if (sel.q2k != nullptr) {
     const auto int32 = q.options().dtype(at::kInt);
     const int64_t n = geo.num_tiles();
@@ -99,7 +101,8 @@ template <class Backend> tensor_quad backward_op(const at::Tensor& d_o, const at
                                                  const at::Tensor& o, const at::Tensor& state, at::IntArrayRef grid,
                                                  int64_t top_k, double sparsity, double scale,
                                                  const c10::optional<at::Tensor>& q2k,
-                                                 const c10::optional<at::Tensor>& q2k_count, bool raster_out) {
+                                                 const c10::optional<at::Tensor>& q2k_count, bool raster_out,
+                                                 int64_t extra, bool extra_first) {
   const char* op = "backward";
   const vsa::problem p = make_problem(q, k, grid, op);
   check_bshd(v, q, op, "v");
@@ -109,11 +112,12 @@ template <class Backend> tensor_quad backward_op(const at::Tensor& d_o, const at
   Backend be(q);
   check(vsa::check_problem(p, Backend::target), op);
   const vsa::options opt = make_options(p, q, top_k, sparsity, scale, q2k, q2k_count, op, raster_out);
+  const vsa::extra_tokens ex{extra, extra_first};
   vsa::op_buffers mem;
-  check(be.backward(p, opt, vsa::backward_io{}, mem), op);
+  check(be.backward(p, ex, opt, vsa::backward_io{}, mem), op);
   check_state(state, q, mem.state_bytes, op);
   const vsa::tile_geometry geo(p.grid);
-  const int64_t tokens = raster_out ? geo.raster_tokens() : geo.tiled_tokens();
+  const int64_t tokens = (raster_out ? geo.raster_tokens() : geo.tiled_tokens()) + extra;
   at::Tensor dq = empty_like_layout(q, tokens, p.q_heads), dk = empty_like_layout(k, tokens, p.kv_heads),
              dv = empty_like_layout(v, tokens, p.kv_heads);
   at::Tensor dgate = present(gate) ? empty_like_layout(*gate, tokens, p.q_heads) : no_tensor(q, q.scalar_type());
@@ -122,7 +126,7 @@ template <class Backend> tensor_quad backward_op(const at::Tensor& d_o, const at
   mem.scratch = data_or_null(scratch);
   const vsa::backward_io io{in(q),   in(k),   in(v),   in(gate), in(o),
                             in(d_o), out(dq), out(dk), out(dv),  present(gate) ? out(dgate) : vsa::tensor{}};
-  check(be.backward(p, opt, io, mem), op);
+  check(be.backward(p, ex, opt, io, mem), op);
   return {dq, dk, dv, dgate};
 }
 
@@ -221,10 +225,10 @@ template <class Backend> void register_kernels(torch::Library& m) {
 struct op_sizes {
   int64_t state_bytes = 0, top_k = 0;
 };
-using op_sizes_fn = op_sizes (*)(const vsa::problem&, const vsa::options&);
-template <class Backend> op_sizes sizes_of(const vsa::problem& p, const vsa::options& opt) {
+using op_sizes_fn = op_sizes (*)(const vsa::problem&, const vsa::extra_tokens&, const vsa::options&);
+template <class Backend> op_sizes sizes_of(const vsa::problem& p, const vsa::extra_tokens& extra, const vsa::options& opt) {
   vsa::op_buffers mem;
-  check(Backend::forward_query(p, opt, mem), "forward");
+  check(Backend::forward_query(p, extra, opt, mem), "forward");
   int64_t k = 0;
   if (opt.q2k.q2k == nullptr) check(vsa::resolve_op_top_k(vsa::tile_geometry(p.grid).num_tiles(), opt, k), "forward");
   return {static_cast<int64_t>(mem.state_bytes), k};

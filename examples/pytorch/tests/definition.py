@@ -115,6 +115,39 @@ def video_sparse_attention(q, k, v, gate, grid, top_k, scale, lists=None):
     return o_s + (o_c if gate is None else gate * o_c)
 
 
+def joint_video_sparse_attention(q, k, v, gate, grid, top_k, scale, extra, first):
+    """The op with `extra` tokens (joint attention) after the video's N·64 tiled slots (first: before them), every
+    tensor holding N·64 + extra tokens: the coarse branch, the selection and the gate on the video part; a video
+    query attends to its selected tiles' valid tokens and to every extra token, an extra query to every valid token;
+    o = o_s + g ⊙ o_c on the video rows, o_s on the extra rows."""
+    s = q.shape[1] - extra
+    video = slice(extra, extra + s) if first else slice(0, s)
+    valid, _ = _valid_slots(grid, q.device)
+    hq = q.shape[2]
+    qv, kv, vv = q[:, video], k[:, video], v[:, video]
+    q_c, k_c, v_c = block_means(qv, grid), _heads(block_means(kv, grid), hq), _heads(block_means(vv, grid), hq)
+    scores_c = torch.einsum("bihd,bjhd->bhij", q_c, k_c) * scale
+    selected = top_k_selection(scores_c.detach(), top_k)
+    # Which keys each query sees, over the joint token axis.
+    is_extra = torch.ones(q.shape[1], dtype=torch.bool, device=q.device)
+    is_extra[video] = False
+    tile = torch.zeros(q.shape[1], dtype=torch.long, device=q.device)
+    tile[video] = torch.arange(s, device=q.device) // 64
+    key_ok = is_extra.clone()
+    key_ok[video] = valid
+    sel = selected[:, :, tile][:, :, :, tile]  # [B, Hq, S, S] by tile
+    allowed = (sel | is_extra[None, None, :, None] | is_extra[None, None, None, :]) & key_ok[None, None, None, :]
+    allowed = allowed & key_ok[None, None, :, None]  # padding query rows attend to nothing
+    kk, vv2 = _heads(k, hq), _heads(v, hq)
+    scores = torch.einsum("bihd,bjhd->bhij", q, kk) * scale
+    p = torch.nan_to_num(torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1), nan=0.0)
+    o = torch.einsum("bhij,bjhd->bihd", p, vv2)
+    o_c = torch.einsum("bhij,bjhd->bihd", torch.softmax(scores_c, dim=-1), v_c)
+    o_c = o_c.repeat_interleave(64, dim=1) * valid[None, :, None, None]
+    coarse = o_c if gate is None else gate[:, video] * o_c
+    return torch.cat([o[:, :extra], o[:, extra:] + coarse], 1) if first else torch.cat([o[:, :s] + coarse, o[:, s:]], 1)
+
+
 def linear_attention(q, k, v, phi, eps, valid=None):
     """φ(q_i)·(Σ_j φ(k_j)ᵀ v_j) / (φ(q_i)·Σ_j φ(k_j) + eps) over the tokens j with valid[j]; invalid rows 0."""
     def feature(x):

@@ -53,6 +53,36 @@ def test_whole_op_matches_its_definition(grid, b, hq, hkv, d, gated):
         torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-9, msg=lambda m: f"d{name}: {m}")
 
 
+@pytest.mark.parametrize("extra,first", [(77, False), (5, True), (130, True)])
+def test_joint_op_with_extra_tokens_matches_its_definition(extra, first):
+    grid, b, hq, hkv, d = (3, 5, 9), 1, 4, 2, 8
+    tiled = tiled_inputs(grid, b, hq, hkv, d, seed=11)
+    ex = [randn(b, extra, x.shape[2], d, seed=20 + i) for i, x in enumerate(tiled)]
+    q, k, v, g = (torch.cat([e, x], 1) if first else torch.cat([x, e], 1) for x, e in zip(tiled, ex))
+    q, k, v, g = (x.detach().requires_grad_(True) for x in (q, k, v, g))
+    n = ref.tile_counts(grid).numel()
+    top_k = max(1, n // 3)
+    o = vsa_torch.video_sparse_attention(q, k, v, grid, gate=g, top_k=top_k, order="tiled", extra_tokens=extra,
+                                         extra_first=first)
+    want = ref.joint_video_sparse_attention(q, k, v, g, grid, top_k, f32(d**-0.5), extra, first)
+    torch.testing.assert_close(o, want, rtol=1e-10, atol=1e-10)
+    d_o = randn(*o.shape, seed=7)
+    got = torch.autograd.grad(o, [q, k, v, g], d_o)
+    exp = torch.autograd.grad(want, [q, k, v, g], d_o)
+    for name, a, e in zip("q k v gate".split(), got, exp):
+        torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-9, msg=lambda m: f"d{name}: {m}")
+
+
+def test_joint_op_without_extra_tokens_is_the_op():
+    grid = (5, 6, 7)
+    q, k, v, g = tiled_inputs(grid, 1, 2, 1, 8, seed=5)
+    a = vsa_torch.video_sparse_attention(q, k, v, grid, gate=g, sparsity=0.6, order="tiled")
+    b = vsa_torch.video_sparse_attention(q, k, v, grid, gate=g, sparsity=0.6, order="tiled", extra_tokens=0)
+    assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="tiled order only"):
+        vsa_torch.video_sparse_attention(q, k, v, grid, extra_tokens=3)
+
+
 def test_raster_order_is_tiling_around_the_tiled_op():
     grid = (5, 6, 7)
     q, k, v, g = (ref.untile(x, grid).detach().requires_grad_(True) for x in tiled_inputs(grid, 1, 2, 1, 8, seed=3))

@@ -56,10 +56,60 @@ template <int Threads = 128> __global__ void __launch_bounds__(Threads) joint_li
   }
 }
 
+struct zero_rows_params {
+  operand x;
+  int64_t first, rows, heads, chunks; // chunks: 16-byte pieces of a row of one head (D / 8)
+  int64_t items;                      // B · rows · heads · chunks
+};
+
+// Zeroes rows first … first + rows − 1 of every head and batch of a tensor (the extra rows of the whole op's dgate).
+template <int Threads = 256> __global__ void __launch_bounds__(Threads) zero_rows_kernel(zero_rows_params p) {
+  for (int64_t e = blockIdx.x * int64_t(Threads) + threadIdx.x; e < p.items; e += int64_t(gridDim.x) * Threads) {
+    const int64_t c = e % p.chunks, h = (e / p.chunks) % p.heads, r = (e / p.chunks / p.heads) % p.rows,
+                  b = e / p.chunks / p.heads / p.rows;
+    *reinterpret_cast<uint4*>(p.x.at(b, h, p.first + r) + c * 8) = make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
 } // namespace detail
 } // namespace gpu
 
 namespace detail {
+
+// Zeroes `rows` rows of x from row `first` (x a checked [B, S, heads, D] view of 16-bit elements).
+inline status zero_token_rows(const problem& p, const tensor& x, int64_t first, int64_t rows, int64_t heads,
+                              gpu::stream_t stream) {
+  const int64_t chunks = p.head_dim / 8;
+  gpu::detail::zero_rows_params zp{gpu::detail::make_operand(x), first, rows, heads, chunks,
+                                   p.batch * rows * heads * chunks};
+  if (zp.items == 0) return status::ok();
+  return gpu::launch("zero rows", gpu::detail::zero_rows_kernel<>, gpu::detail::grid_blocks((zp.items + 255) / 256),
+                     256, 0, stream, false, zp);
+}
+
+// The joint pass's backward scratch (joint_workspace's last three pieces, at `scratch`): delta over its `rows` rows,
+// then the dk/dv launch order over its `tiles` tiles, which this launches; points bp and dp at them.
+inline status prepare_joint_backward(const problem& p, int64_t tiles, int64_t rows, const int32_t* k2q_offset,
+                                     void* scratch, gpu::detail::backward_params& bp, gpu::detail::delta_params& dp,
+                                     gpu::stream_t stream) {
+  unsigned char* at = static_cast<unsigned char*>(scratch);
+  float* delta = reinterpret_cast<float*>(at);
+  at += align_up(sizeof(float) * p.batch * p.q_heads * rows);
+  gpu::detail::order_params op{};
+  op.counts = reinterpret_cast<int32_t*>(at);
+  op.order = reinterpret_cast<int32_t*>(at + align_up(sizeof(int32_t) * 2 * gpu::detail::order_buckets * p.batch *
+                                                      p.kv_heads));
+  op.k2q_offset = k2q_offset;
+  op.tiles = tiles;
+  op.q_heads = p.q_heads;
+  op.kv_heads = p.kv_heads;
+  op.group = p.q_heads / p.kv_heads;
+  op.items = p.batch * p.kv_heads * tiles;
+  dp.delta = delta;
+  bp.delta = delta;
+  bp.order = op.order;
+  return gpu::detail::launch_order(op, stream);
+}
 
 // The joint pass's tiles: N video tiles and X = ⌈E/64⌉ extra ones (extra.count ≥ 1).
 struct joint_tiles {
@@ -147,8 +197,10 @@ inline std::size_t joint_sparse_attention_forward_workspace(const problem& p, ex
 // for sparse_attention_forward; k2q unused). q, o_s [B, S, Hq, D] and k, v [B, S, Hkv, D] views, S = N·64 + E, the
 // extra tokens where `extra` places them; lse [B, Hq, S] fp32. Padding slots of the video, and rows with no key,
 // get o_s = 0 and lse = +inf. The workspace holds at least joint_sparse_attention_forward_workspace(p, extra) bytes
-// (none for E = 0: then it may be null).
-inline status joint_sparse_attention_forward(const problem& p, extra_tokens extra, float scale, const_tensor q,
+// (none for E = 0: then it may be null). A template only so that the joint kernels are instantiated where it is called
+// (op.hpp's joint_forward says why).
+template <class = void>
+status joint_sparse_attention_forward(const problem& p, extra_tokens extra, float scale, const_tensor q,
                                              const_tensor k, const_tensor v, const_index_lists idx, tensor o_s,
                                              float* lse, void* workspace, std::size_t workspace_bytes,
                                              gpu::stream_t stream) {
@@ -186,8 +238,9 @@ inline std::size_t joint_sparse_attention_backward_workspace(const problem& p, e
 // dq, dk, dv of the joint pass (padding slots 0; dk and dv summed over each kv head's group), from dO and the
 // forward's o_s and lse, on the same q2k lists of the video tiles (k2q is built here). Bitwise reproducible, as the
 // video-only backward. The workspace holds at least joint_sparse_attention_backward_workspace(p, extra,
-// idx.q2k_capacity) bytes; workspace == nullptr asks for that size.
-inline status joint_sparse_attention_backward(const problem& p, extra_tokens extra, float scale, const_tensor q,
+// idx.q2k_capacity) bytes; workspace == nullptr asks for that size. A template as the forward.
+template <class = void>
+status joint_sparse_attention_backward(const problem& p, extra_tokens extra, float scale, const_tensor q,
                                               const_tensor k, const_tensor v, const_tensor o_s, const_tensor d_o,
                                               const float* lse, const_index_lists idx, tensor dq, tensor dk,
                                               tensor dv, void* workspace, std::size_t& workspace_bytes,
@@ -240,10 +293,7 @@ inline status joint_sparse_attention_backward(const problem& p, extra_tokens ext
   lists.k2q = reinterpret_cast<int32_t*>(at += w.counts);
   lists.k2q_offset = reinterpret_cast<int32_t*>(at += w.k2q);
   void* k2q_scratch = (at += w.offsets);
-  float* delta = reinterpret_cast<float*>(at += w.k2q_scratch);
-  gpu::detail::order_params op{};
-  op.counts = reinterpret_cast<int32_t*>(at += w.delta);
-  op.order = reinterpret_cast<int32_t*>(at += w.order_counts);
+  void* backward_scratch = (at += w.k2q_scratch);
   if (!(s = detail::launch_joint_lists(p, t, idx, lists.q2k, lists.q2k_count, stream))) return s;
   if (!(s = gpu::detail::launch_k2q(t.all, w.layout, lists, k2q_scratch, stream))) return s;
 
@@ -252,16 +302,8 @@ inline status joint_sparse_attention_backward(const problem& p, extra_tokens ext
   gpu::detail::backward_params bp = detail::sparse_backward_params(p, scale, q, k, v, d_o, dq, dk, dv, lse);
   gpu::detail::delta_params dp =
       detail::delta_base(p, gpu::detail::make_operand(o_s), gpu::detail::make_operand(d_o), qs);
-  dp.delta = delta;
-  bp.delta = delta;
-  op.k2q_offset = lists.k2q_offset;
-  op.tiles = t.all;
-  op.q_heads = p.q_heads;
-  op.kv_heads = p.kv_heads;
-  op.group = p.q_heads / p.kv_heads;
-  op.items = p.batch * p.kv_heads * t.all;
-  bp.order = op.order;
-  if (!(s = gpu::detail::launch_order(op, stream))) return s;
+  if (!(s = detail::prepare_joint_backward(p, t.all, t.tokens, lists.k2q_offset, backward_scratch, bp, dp, stream)))
+    return s;
   return detail::run_backward(p, dp, bp, qs, ks, stream);
 }
 

@@ -23,6 +23,7 @@
 #include "combine.hpp"
 #include "detail/attention_glue.hpp"
 #include "index.hpp"
+#include "joint_attention.hpp"
 #include "select.hpp"
 
 namespace vsa {
@@ -35,6 +36,11 @@ namespace detail {
 struct op_workspace {
   bool coarse = false; // false when the caller supplied the q2k lists
   int64_t top_k = 0, capacity = 0;
+  // Joint attention (joint_forward below): the extra tokens, and the sparse pass's tiles and rows, N and N·64 for
+  // the video alone; with extra tokens, the joint lists (joint_attention.hpp) in the state, before k2q.
+  extra_tokens extra{};
+  int64_t tiles = 0, rows = 0;
+  std::size_t joint_q2k = 0, joint_count = 0;
   // state
   std::size_t q_c = 0, k_c = 0, v_c = 0, q_c32 = 0, k_c32 = 0, o_c = 0, lse_c = 0, q2k = 0, q2k_count = 0, k2q = 0,
               k2q_offset = 0, lse = 0, o_residual = 0, o_c_residual = 0, state_bytes = 0;
@@ -52,10 +58,20 @@ struct op_workspace {
   }
 };
 
-inline status plan_op(const problem& p, const options& opt, op_workspace& w) {
+inline status plan_op(const problem& p, const extra_tokens& extra, const options& opt, op_workspace& w) {
   status s = check_problem(p, target::gpu);
+  if (s) s = check_extra_tokens(p, extra);
   if (!s) return s;
   const int64_t n = tile_geometry(p.grid).num_tiles(), bh = p.batch * p.q_heads, bhk = p.batch * p.kv_heads;
+  const joint_tiles jt(p, extra);
+  const bool joint = extra.count > 0;
+  w.extra = extra;
+  w.tiles = jt.all;
+  w.rows = jt.tokens;
+  if (joint && (jt.all * jt.all > int64_t(INT32_MAX) ||
+                jt.all > int64_t(gpu::detail::k2q_max_count_blocks) * gpu::detail::k2q_count_columns))
+    return status::error(errc::unsupported, "extra.count: %lld video tiles and %lld extra ones are more than the lists hold",
+                         (long long)n, (long long)jt.extra);
   const std::size_t e = dtype_size(p.type), d = static_cast<std::size_t>(p.head_dim);
   w.coarse = opt.q2k.q2k == nullptr;
   if (w.coarse) {
@@ -87,10 +103,15 @@ inline status plan_op(const problem& p, const options& opt, op_workspace& w) {
     w.q2k = take(bh * n * w.capacity * sizeof(int32_t));
     w.q2k_count = take(bh * n * sizeof(int32_t));
   }
-  w.k2q = take(bh * n * w.capacity * sizeof(int32_t));
-  w.k2q_offset = take(bh * (n + 1) * sizeof(int32_t));
-  w.lse = take(bh * n * 64 * sizeof(float));
-  w.o_residual = take(bh * n * 64 * d * sizeof(int8_t));
+  const std::size_t t = static_cast<std::size_t>(w.tiles), rows = static_cast<std::size_t>(w.rows);
+  if (joint) {
+    w.joint_q2k = take(bh * t * t * sizeof(int32_t));
+    w.joint_count = take(bh * t * sizeof(int32_t));
+  }
+  w.k2q = take(bh * t * (joint ? t : w.capacity) * sizeof(int32_t));
+  w.k2q_offset = take(bh * (t + 1) * sizeof(int32_t));
+  w.lse = take(bh * rows * sizeof(float));
+  w.o_residual = take(bh * rows * d * sizeof(int8_t));
   w.state_bytes = off;
   // Scratch of the forward: the N×N scores and the selection's and index builder's own workspaces.
   off = 0;
@@ -103,8 +124,14 @@ inline status plan_op(const problem& p, const options& opt, op_workspace& w) {
     if (!s) return s;
     w.select_scratch = take(select_bytes);
   }
-  s = build_k2q(p, probe, nullptr, index_bytes, nullptr);
-  if (!s) return s;
+  if (joint) {
+    gpu::detail::k2q_layout layout{};
+    layout.init(w.tiles, bh);
+    index_bytes = layout.total();
+  } else {
+    s = build_k2q(p, probe, nullptr, index_bytes, nullptr);
+    if (!s) return s;
+  }
   w.index_scratch = take(index_bytes);
   w.forward_scratch_bytes = off;
 
@@ -117,10 +144,16 @@ inline status plan_op(const problem& p, const options& opt, op_workspace& w) {
     w.b_scores = take(bh * n * n * sizeof(float));
     w.coarse_scratch = take(coarse_attention_backward_workspace(p));
   }
-  w.sparse_scratch = take(sparse_attention_backward_workspace(p, w.capacity));
+  // The joint pass's backward scratch: delta over its rows, then the dk/dv launch order (joint_workspace's pieces).
+  w.sparse_scratch = take(joint ? align_up(sizeof(float) * bh * rows) +
+                                      align_up(sizeof(int32_t) * 2 * gpu::detail::order_buckets * bhk) +
+                                      align_up(sizeof(int32_t) * bhk * t)
+                                : sparse_attention_backward_workspace(p, w.capacity));
   w.backward_scratch_bytes = off;
   return status::ok();
 }
+
+inline status plan_op(const problem& p, const options& opt, op_workspace& w) { return plan_op(p, {}, opt, w); }
 
 // The one-workspace size of a pass: the state, then the larger of the scratch regions (so that the backward's
 // size is at least the forward's, and one allocation serves both).
@@ -132,10 +165,11 @@ inline std::size_t whole_workspace_bytes(const op_workspace& w, bool backward) {
 
 // The one-workspace form of a pass: a size query, or `pass` run with the plan on the state at the workspace's
 // start and the scratch after it.
-template <class Pass> status in_one_workspace(const problem& p, const options& opt, bool backward, void* workspace,
-                                              std::size_t& workspace_bytes, const Pass& pass) {
+template <class Pass> status in_one_workspace(const problem& p, const extra_tokens& extra, const options& opt,
+                                              bool backward, void* workspace, std::size_t& workspace_bytes,
+                                              const Pass& pass) {
   op_workspace w;
-  status s = plan_op(p, opt, w);
+  status s = plan_op(p, extra, opt, w);
   if (!s) return s;
   const std::size_t whole = whole_workspace_bytes(w, backward);
   if (workspace == nullptr) {
@@ -165,9 +199,29 @@ inline status check_gate(const problem& p, const op_workspace& w, const const_te
 
 namespace detail {
 
-// The forward on its plan (both forms of forward() below plan once).
-inline status forward_planned(const problem& p, const options& opt, const op_workspace& w, const forward_io& io,
-                              op_buffers& buffers, gpu::stream_t stream) {
+// The video part of a tensor of the op: all of it, or with extra tokens (joint attention) its N·64 slots.
+template <class Ptr> basic_tensor<Ptr> video_rows(const basic_tensor<Ptr>& x, const problem& p, const extra_tokens& e) {
+  using byte = std::conditional_t<std::is_const<std::remove_pointer_t<Ptr>>::value, const unsigned char, unsigned char>;
+  const int64_t offset = e.video_start() * x.token_stride * static_cast<int64_t>(dtype_size(p.type));
+  const Ptr data = x.data == nullptr ? x.data : static_cast<Ptr>(static_cast<byte*>(x.data) + offset);
+  return {data, x.tokens - e.count, x.batch_stride, x.token_stride, x.head_stride};
+}
+
+// The token count of o and the gradients: as options::output_order says, plus the extra tokens (only in tiled
+// order so far: the raster epilogues do not place the extra tokens).
+inline status op_output_tokens(const problem& p, const options& opt, const op_workspace& w, int64_t& tokens) {
+  if (w.extra.count > 0 && opt.output_order == token_order::raster)
+    return status::error(errc::unsupported, "output_order: raster is not offered with extra tokens yet");
+  const status s = output_tokens(p, opt, tokens);
+  tokens += w.extra.count;
+  return s;
+}
+
+// The forward on its plan (both forms of forward() below plan once). Joint: with extra tokens (w.extra), the
+// sparse pass over the joint schedule; instantiated by joint_forward only.
+template <bool Joint = false>
+status forward_planned(const problem& p, const options& opt, const op_workspace& w, const forward_io& io,
+                       op_buffers& buffers, gpu::stream_t stream) {
   status s = status::ok();
   if (buffers.state == nullptr) {
     buffers.state_bytes = w.state_bytes;
@@ -176,10 +230,10 @@ inline status forward_planned(const problem& p, const options& opt, const op_wor
   }
   void* const state = buffers.state;
   void* const scratch = buffers.scratch;
-  const int64_t tokens = tile_geometry(p.grid).tiled_tokens();
+  const int64_t tokens = w.rows;
   const float scale = detail::resolve_scale(p, opt);
   int64_t out_tokens = 0;
-  if (s) s = output_tokens(p, opt, out_tokens);
+  if (s) s = op_output_tokens(p, opt, w, out_tokens);
   if (s) s = detail::check_inputs(p, scale, io.q, io.k, io.v, tokens);
   if (s) s = check_tensor("o", io.o, p, p.q_heads, out_tokens, target::gpu);
   if (s) s = detail::check_gate(p, w, io.gate, tokens);
@@ -201,7 +255,9 @@ inline status forward_planned(const problem& p, const options& opt, const op_wor
     void *qc = w.at(state, w.q_c), *kc = w.at(state, w.k_c), *vc = w.at(state, w.v_c);
     float* scores = w.at<float>(scratch, w.scores);
     float *qc32 = w.at<float>(state, w.q_c32), *kc32 = w.at<float>(state, w.k_c32);
-    s = block_means(p, io.q, io.k, io.v, qc, kc, vc, qc32, kc32, stream);
+    // The coarse branch and the selection see the video part only: extra keys never take one of the k slots.
+    const auto video = [&](const const_tensor& x) { return video_rows(x, p, w.extra); };
+    s = block_means(p, video(io.q), video(io.k), video(io.v), qc, kc, vc, qc32, kc32, stream);
     if (s) s = coarse_scores(p, scale, qc32, kc32, scores, stream);
     if (s)
       s = coarse_attention(p, scores, vc, w.at(state, w.o_c), w.at<int8_t>(state, w.o_c_residual),
@@ -213,7 +269,17 @@ inline status forward_planned(const problem& p, const options& opt, const op_wor
     idx.q2k_count = const_cast<int32_t*>(opt.q2k.q2k_count);
   }
   std::size_t index_bytes = w.forward_scratch_bytes - w.index_scratch;
-  if (s) s = build_k2q(p, idx, w.at(scratch, w.index_scratch), index_bytes, stream);
+  index_lists joint{}; // the joint lists: the video's with the extra tiles (joint_attention.hpp)
+  if constexpr (Joint) {
+    joint = {w.at<int32_t>(state, w.joint_q2k), w.at<int32_t>(state, w.joint_count), w.tiles, idx.k2q, idx.k2q_offset};
+    const joint_tiles jt(p, w.extra);
+    if (s) s = launch_joint_lists(p, jt, as_const(idx), joint.q2k, joint.q2k_count, stream);
+    gpu::detail::k2q_layout layout{};
+    layout.init(w.tiles, p.batch * p.q_heads);
+    if (s) s = gpu::detail::launch_k2q(w.tiles, layout, joint, w.at(scratch, w.index_scratch), stream);
+  } else {
+    if (s) s = build_k2q(p, idx, w.at(scratch, w.index_scratch), index_bytes, stream);
+  }
   if (!s) return s;
 
   // The sparse pass with the combine epilogue (o_c and the gate, when the op selected the lists) and o's
@@ -224,7 +290,11 @@ inline status forward_planned(const problem& p, const options& opt, const op_wor
   fp.o_residual = w.at<int8_t>(state, w.o_residual);
   fp.o_c = w.coarse ? w.at<const uint16_t>(state, w.o_c) : nullptr;
   fp.gate = gpu::detail::make_operand(io.gate);
-  return detail::run_forward(p, fp, detail::q2k_schedule(p, as_const(idx)), stream);
+  if constexpr (Joint) {
+    return detail::run_forward(p, fp, joint_schedule_of(p, w.extra, joint.q2k, joint.q2k_count, nullptr), stream);
+  } else {
+    return detail::run_forward(p, fp, detail::q2k_schedule(p, as_const(idx)), stream);
+  }
 }
 
 } // namespace detail
@@ -235,7 +305,7 @@ inline status forward_planned(const problem& p, const options& opt, const op_wor
 inline status forward(const problem& p, const options& opt, const forward_io& io, op_buffers& buffers,
                       gpu::stream_t stream) {
   detail::op_workspace w;
-  const status s = detail::plan_op(p, opt, w);
+  const status s = detail::plan_op(p, extra_tokens{}, opt, w);
   return s ? detail::forward_planned(p, opt, w, io, buffers, stream) : s;
 }
 
@@ -244,16 +314,17 @@ inline status forward(const problem& p, const options& opt, const forward_io& io
 inline status forward(const problem& p, const options& opt, const forward_io& io, void* workspace,
                       std::size_t& workspace_bytes, gpu::stream_t stream) {
   return detail::in_one_workspace(
-      p, opt, false, workspace, workspace_bytes,
+      p, extra_tokens{}, opt, false, workspace, workspace_bytes,
       [&](const detail::op_workspace& w, op_buffers& b) { return detail::forward_planned(p, opt, w, io, b, stream); });
 }
 
 // The q2k lists the forward selected, as views into its state (capacity k; valid while the state is), for a
 // caller that inspects them or passes them back through options::q2k on a later call. Null lists when the
 // caller supplied its own. The state may be device memory: nothing is read here.
-inline status selected_lists(const problem& p, const options& opt, const void* state, const_index_lists& lists) {
+inline status joint_selected_lists(const problem& p, extra_tokens extra, const options& opt, const void* state,
+                                  const_index_lists& lists) {
   detail::op_workspace w;
-  const status s = detail::plan_op(p, opt, w);
+  const status s = detail::plan_op(p, extra, opt, w);
   if (!s) return s;
   lists = const_index_lists{};
   if (!w.coarse) return status::ok();
@@ -263,12 +334,16 @@ inline status selected_lists(const problem& p, const options& opt, const void* s
   lists.q2k_capacity = w.capacity;
   return status::ok();
 }
+inline status selected_lists(const problem& p, const options& opt, const void* state, const_index_lists& lists) {
+  return joint_selected_lists(p, extra_tokens{}, opt, state, lists);
+}
 
 namespace detail {
 
-// The backward on its plan (both forms of backward() below plan once).
-inline status backward_planned(const problem& p, const options& opt, const op_workspace& w, const backward_io& io,
-                               op_buffers& buffers, gpu::stream_t stream) {
+// The backward on its plan (both forms of backward() below plan once); Joint as for forward_planned.
+template <bool Joint = false>
+status backward_planned(const problem& p, const options& opt, const op_workspace& w, const backward_io& io,
+                        op_buffers& buffers, gpu::stream_t stream) {
   status s = status::ok();
   if (buffers.state == nullptr) {
     buffers.state_bytes = w.state_bytes;
@@ -277,10 +352,10 @@ inline status backward_planned(const problem& p, const options& opt, const op_wo
   }
   const void* const state = buffers.state;
   void* const scratch = buffers.scratch;
-  const int64_t tokens = tile_geometry(p.grid).tiled_tokens();
+  const int64_t tokens = w.rows;
   const float scale = detail::resolve_scale(p, opt);
   int64_t out_tokens = 0;
-  if (s) s = output_tokens(p, opt, out_tokens);
+  if (s) s = op_output_tokens(p, opt, w, out_tokens);
   if (s) s = detail::check_inputs(p, scale, io.q, io.k, io.v, tokens);
   if (s) s = check_tensor("o", io.o, p, p.q_heads, out_tokens, target::gpu);
   if (s) s = check_tensor("d_o", io.d_o, p, p.q_heads, tokens, target::gpu);
@@ -309,7 +384,13 @@ inline status backward_planned(const problem& p, const options& opt, const op_wo
     void* d_o_c = w.at(scratch, w.d_o_c);
     o_c = w.at<const uint16_t>(state, w.o_c);
     float* scores = w.at<float>(scratch, w.b_scores); // formed again: N² floats are not worth keeping
-    s = combine_backward(p, io.d_o, io.gate, o_c, io.dgate, d_o_c, stream, opt.output_order);
+    // The gate and the coarse term are the video rows'; an extra row of dgate is 0.
+    s = combine_backward(p, video_rows(io.d_o, p, w.extra), video_rows(io.gate, p, w.extra), o_c,
+                         video_rows(io.dgate, p, w.extra), d_o_c, stream, opt.output_order);
+    if constexpr (Joint) {
+      if (s && io.dgate.data != nullptr) s = zero_token_rows(p, io.dgate, w.extra.extra_start(w.rows - w.extra.count),
+                                                             w.extra.count, p.q_heads, stream);
+    }
     if (s)
       s = coarse_scores(p, scale, w.at<const float>(state, w.q_c32), w.at<const float>(state, w.k_c32), scores, stream);
     std::size_t coarse_bytes = w.sparse_scratch - w.coarse_scratch;
@@ -322,8 +403,6 @@ inline status backward_planned(const problem& p, const options& opt, const op_wo
     if (!s) return s;
   }
 
-  const auto qs = detail::q2k_schedule(p, idx);
-  const auto ks = detail::k2q_schedule(p, idx);
   // The sparse pass's backward, dq, dk and dv adding the block-mean backward of the coarse gradients.
   gpu::detail::backward_params bp = detail::sparse_backward_params(p, scale, io.q, io.k, io.v, io.d_o, io.dq, io.dk,
                                                                    io.dv, w.at<const float>(state, w.lse));
@@ -335,16 +414,27 @@ inline status backward_planned(const problem& p, const options& opt, const op_wo
     bp.fold_v = w.at<const float>(scratch, w.dv_c);
   }
   // Its row terms are those of o_s = o − g ⊙ o_c, o as the forward computed it (o + its residual).
-  gpu::detail::delta_params dp =
-      detail::delta_base(p, gpu::detail::make_operand(io.o), gpu::detail::make_operand(io.d_o), qs);
+  gpu::detail::delta_params dp = detail::delta_base(p, gpu::detail::make_operand(io.o),
+                                                    gpu::detail::make_operand(io.d_o), detail::q2k_schedule(p, idx));
+  dp.rows_total = w.rows;
   dp.o_raster = raster;
   dp.gate = gpu::detail::make_operand(io.gate);
   dp.o_c = o_c;
   dp.o_residual = w.at<const int8_t>(state, w.o_residual);
-  s = detail::prepare_sparse_backward(p, idx, w.at(scratch, w.sparse_scratch),
-                                      w.backward_scratch_bytes - w.sparse_scratch, bp, dp, stream);
-  if (!s) return s;
-  return detail::run_backward(p, dp, bp, qs, ks, stream);
+  if constexpr (Joint) {
+    const int32_t *list = w.at<const int32_t>(state, w.joint_q2k), *count = w.at<const int32_t>(state, w.joint_count);
+    const auto qs = joint_schedule_of(p, w.extra, list, count, nullptr);
+    const auto ks = joint_schedule_of(p, w.extra, idx.k2q, nullptr, idx.k2q_offset);
+    dp.tiles = qs.video_tiles(); // delta_base's, made again: o_c's rows
+    s = prepare_joint_backward(p, w.tiles, w.rows, idx.k2q_offset, w.at(scratch, w.sparse_scratch), bp, dp, stream);
+    return s ? detail::run_backward(p, dp, bp, qs, ks, stream) : s;
+  } else {
+    const auto qs = detail::q2k_schedule(p, idx);
+    const auto ks = detail::k2q_schedule(p, idx);
+    s = detail::prepare_sparse_backward(p, idx, w.at(scratch, w.sparse_scratch),
+                                        w.backward_scratch_bytes - w.sparse_scratch, bp, dp, stream);
+    return s ? detail::run_backward(p, dp, bp, qs, ks, stream) : s;
+  }
 }
 
 } // namespace detail
@@ -354,7 +444,7 @@ inline status backward_planned(const problem& p, const options& opt, const op_wo
 inline status backward(const problem& p, const options& opt, const backward_io& io, op_buffers& buffers,
                        gpu::stream_t stream) {
   detail::op_workspace w;
-  const status s = detail::plan_op(p, opt, w);
+  const status s = detail::plan_op(p, extra_tokens{}, opt, w);
   return s ? detail::backward_planned(p, opt, w, io, buffers, stream) : s;
 }
 
@@ -363,8 +453,52 @@ inline status backward(const problem& p, const options& opt, const backward_io& 
 inline status backward(const problem& p, const options& opt, const backward_io& io, void* workspace,
                        std::size_t& workspace_bytes, gpu::stream_t stream) {
   return detail::in_one_workspace(
-      p, opt, true, workspace, workspace_bytes,
+      p, extra_tokens{}, opt, true, workspace, workspace_bytes,
       [&](const detail::op_workspace& w, op_buffers& b) { return detail::backward_planned(p, opt, w, io, b, stream); });
+}
+
+// Joint text + video attention, the whole op (extra_tokens, types.hpp; the CPU reference is reference/joint.hpp): q,
+// k, v, the gate, dO, o and the gradients hold N·64 + extra.count tokens, tiled, the extra tokens where `extra` puts
+// them. Block means, the coarse branch, the selection and the gate see the video part; the sparse pass is the joint
+// one (joint_attention.hpp), its combine epilogue on the video rows alone; an extra row of dgate is 0. The same two
+// memory forms as forward() and backward(); extra.count = 0 is the video-only op. Not yet: output_order raster.
+// Templates only so that the joint kernels are instantiated where the joint op is called, not in every translation
+// unit that includes this header (an inline function is compiled, and its kernels emitted, wherever it is seen).
+template <class = void>
+status joint_forward(const problem& p, extra_tokens extra, const options& opt, const forward_io& io,
+                     op_buffers& buffers, gpu::stream_t stream) {
+  detail::op_workspace w;
+  const status s = detail::plan_op(p, extra, opt, w);
+  if (!s) return s;
+  return extra.count > 0 ? detail::forward_planned<true>(p, opt, w, io, buffers, stream)
+                         : detail::forward_planned(p, opt, w, io, buffers, stream);
+}
+template <class = void>
+status joint_forward(const problem& p, extra_tokens extra, const options& opt, const forward_io& io, void* workspace,
+                     std::size_t& workspace_bytes, gpu::stream_t stream) {
+  return detail::in_one_workspace(p, extra, opt, false, workspace, workspace_bytes,
+                                  [&](const detail::op_workspace& w, op_buffers& b) {
+                                    return extra.count > 0 ? detail::forward_planned<true>(p, opt, w, io, b, stream)
+                                                           : detail::forward_planned(p, opt, w, io, b, stream);
+                                  });
+}
+template <class = void>
+status joint_backward(const problem& p, extra_tokens extra, const options& opt, const backward_io& io,
+                      op_buffers& buffers, gpu::stream_t stream) {
+  detail::op_workspace w;
+  const status s = detail::plan_op(p, extra, opt, w);
+  if (!s) return s;
+  return extra.count > 0 ? detail::backward_planned<true>(p, opt, w, io, buffers, stream)
+                         : detail::backward_planned(p, opt, w, io, buffers, stream);
+}
+template <class = void>
+status joint_backward(const problem& p, extra_tokens extra, const options& opt, const backward_io& io,
+                      void* workspace, std::size_t& workspace_bytes, gpu::stream_t stream) {
+  return detail::in_one_workspace(p, extra, opt, true, workspace, workspace_bytes,
+                                  [&](const detail::op_workspace& w, op_buffers& b) {
+                                    return extra.count > 0 ? detail::backward_planned<true>(p, opt, w, io, b, stream)
+                                                           : detail::backward_planned(p, opt, w, io, b, stream);
+                                  });
 }
 
 } // namespace vsa

@@ -30,13 +30,15 @@ def _untile(x, grid):
 
 
 @_register("forward")
-def _forward(q, k, v, gate, grid, top_k, sparsity, scale, q2k, q2k_count, return_selection, raster_out):
+def _forward(q, k, v, gate, grid, top_k, sparsity, scale, q2k, q2k_count, return_selection, raster_out, extra=0,
+             extra_first=False):
     grid = _grid(grid)
     b, _, hq, d = (int(s) for s in q.shape)
     capacity = int(q2k.shape[3]) if q2k is not None else 0
     state_bytes, chosen = _C.op_sizes(b, hq, int(k.shape[2]), d, list(grid), DTYPE_CODES[q.dtype], int(top_k),
-                                      float(sparsity), capacity, q.device.type == "cuda")
-    o = empty_like_layout(q, raster_tokens(grid) if raster_out else tiled_tokens(grid), hq)
+                                      float(sparsity), capacity, q.device.type == "cuda", int(extra),
+                                      bool(extra_first))
+    o = empty_like_layout(q, (raster_tokens(grid) if raster_out else tiled_tokens(grid)) + int(extra), hq)
     state = q.new_empty((state_bytes,), dtype=torch.uint8)
     if return_selection and q2k is None:
         n = num_tiles(grid)
@@ -49,8 +51,9 @@ def _forward(q, k, v, gate, grid, top_k, sparsity, scale, q2k, q2k_count, return
 
 
 @_register("backward")
-def _backward(d_o, q, k, v, gate, o, state, grid, top_k, sparsity, scale, q2k, q2k_count, raster_out):
-    s = raster_tokens(_grid(grid)) if raster_out else tiled_tokens(_grid(grid))
+def _backward(d_o, q, k, v, gate, o, state, grid, top_k, sparsity, scale, q2k, q2k_count, raster_out, extra=0,
+              extra_first=False):
+    s = (raster_tokens(_grid(grid)) if raster_out else tiled_tokens(_grid(grid))) + int(extra)
     dgate = empty_like_layout(gate, s, q.shape[2]) if gate is not None else q.new_empty((0,))
     return (empty_like_layout(q, s, q.shape[2]), empty_like_layout(k, s, k.shape[2]),
             empty_like_layout(v, s, v.shape[2]), dgate)

@@ -49,22 +49,22 @@ class _VideoSparseAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, gate, grid, top_k, sparsity, scale, raster, q2k, q2k_count, return_selection,
-                keep_tiled):
+                keep_tiled, extra, extra_first):
         inputs = (q, k, v, gate)
         if raster:
             q, k, v = _ops.tile(q, grid), _ops.tile(k, grid), _ops.tile(v, grid)
             gate = _ops.tile(gate, grid) if gate is not None else None
         out, state, lists, counts = _ops.forward(q, k, v, gate, grid, top_k, sparsity, scale, q2k, q2k_count,
-                                                 return_selection, raster)
+                                                 return_selection, raster, extra, extra_first)
         retile = raster and not keep_tiled
-        ctx.args = (grid, top_k, sparsity, scale, raster, gate is not None, retile)
+        ctx.args = (grid, top_k, sparsity, scale, raster, gate is not None, retile, extra, extra_first)
         ctx.save_for_backward(*(inputs if retile else (q, k, v, gate)), out, state, q2k, q2k_count)
         ctx.mark_non_differentiable(lists, counts)
         return out, lists, counts
 
     @staticmethod
     def backward(ctx, d_out, _lists, _counts):
-        grid, top_k, sparsity, scale, raster, gated, retile = ctx.args
+        grid, top_k, sparsity, scale, raster, gated, retile, extra, extra_first = ctx.args
         q, k, v, gate, out, state, q2k, q2k_count = ctx.saved_tensors
         if retile:
             q, k, v = _ops.tile(q, grid), _ops.tile(k, grid), _ops.tile(v, grid)
@@ -73,14 +73,15 @@ class _VideoSparseAttention(torch.autograd.Function):
         if raster:
             d_o = _ops.tile(d_o, grid)
         dq, dk, dv, dgate = _ops.backward(d_o, q, k, v, gate, out, state, grid, top_k, sparsity, scale, q2k,
-                                          q2k_count, raster)
+                                          q2k_count, raster, extra, extra_first)
         if not gated:
             dgate = None
-        return dq, dk, dv, dgate, None, None, None, None, None, None, None, None, None
+        return dq, dk, dv, dgate, None, None, None, None, None, None, None, None, None, None, None
 
 
 def video_sparse_attention(q, k, v, grid, *, gate=None, top_k=None, sparsity=0.9, scale=None, layout="bshd",
-                           order="raster", return_selection=False, q2k=None, keep_tiled=False):
+                           order="raster", return_selection=False, q2k=None, keep_tiled=False, extra_tokens=0,
+                           extra_first=False):
     """Video sparse attention: o = o_s + gate ⊙ o_c over the 4×4×4 tiles of the latent grid (T, H, W).
 
     q [B, S, Hq, D], k and v [B, S, Hkv, D] (Hkv divides Hq), gate like q or None (g = 1); S = T·H·W in raster
@@ -93,17 +94,27 @@ def video_sparse_attention(q, k, v, grid, *, gate=None, top_k=None, sparsity=0.9
     keep_tiled (raster order): False (the default) keeps the caller's tensors for the backward, which tiles them
     again; True keeps the tiled copies of q, k, v and gate the forward made instead: four layout passes fewer
     (~0.2 ms a step at Wan 2.1), more memory held between the passes (the tiles' padding: 22% at 21×30×52).
-    In raster order o and the gradients come out of the kernels in raster order, with no untile pass."""
+    In raster order o and the gradients come out of the kernels in raster order, with no untile pass.
+
+    extra_tokens (joint attention: text or condition tokens in the same sequence, HunyuanVideo-style): every tensor
+    holds that many more tokens after the video's (extra_first=True: before them), unpadded; a video query attends
+    to its selected tiles and to every extra token, an extra query to every token, and the coarse branch, the
+    selection and the gate see the video part only. Tiled order only so far (S = N·64 + extra_tokens)."""
     grid = check_grid(grid)
     if order not in ("raster", "tiled"):
         raise ValueError(f"vsa: order: must be 'raster' or 'tiled', got {order!r}")
+    extra_tokens = int(extra_tokens)
+    if extra_tokens < 0:
+        raise ValueError(f"vsa: extra_tokens: must be >= 0, got {extra_tokens}")
+    if extra_tokens and order != "tiled":
+        raise ValueError("vsa: extra_tokens: the op takes them in tiled order only so far (order='tiled')")
     lists, counts = (None, None) if q2k is None else q2k
     views = [to_bshd(x, layout) for x in (q, k, v)]
     g = to_bshd(gate, layout) if gate is not None else None
     out, sel, sel_counts = _VideoSparseAttention.apply(*views, g, grid, 0 if top_k is None else int(top_k),
                                                        float(sparsity), 0.0 if scale is None else float(scale),
                                                        order == "raster", lists, counts, bool(return_selection),
-                                                       bool(keep_tiled))
+                                                       bool(keep_tiled), extra_tokens, bool(extra_first))
     out = from_bshd(out, layout)
     if not return_selection:
         return out
