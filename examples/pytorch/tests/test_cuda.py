@@ -87,6 +87,30 @@ def test_whole_op_against_the_reference_and_the_definition(grid, b, hq, hkv, d, 
         assert rel(a, e) < TOL, f"{name}: {rel(a, e):.2e} against the float32 definition"
 
 
+@pytest.mark.parametrize("extra,first", [(77, True), (256, False)])
+def test_joint_op_with_extra_tokens_against_the_reference(extra, first):
+    grid, b, hq, hkv, d, dtype = (9, 10, 11), 1, 4, 2, 128, torch.bfloat16
+    tiled = inputs(grid, b, hq, hkv, d, dtype, seed=extra)
+    gen = torch.Generator().manual_seed(extra + 1)
+    ex = [torch.randn(b, extra, x.shape[2], d, generator=gen).to(dtype) for x in tiled]
+    q, k, v, g, d_o = (torch.cat([e, x], 1) if first else torch.cat([x, e], 1) for x, e in zip(tiled, ex))
+    top_k = max(1, ref.tile_counts(grid).numel() // 4)
+
+    def run(device):
+        xs = [x.to(device).requires_grad_(True) for x in (q, k, v, g)]
+        poison_cache() if device == DEV else None
+        o, sel = vsa_torch.video_sparse_attention(*xs[:3], grid, gate=xs[3], top_k=top_k, order="tiled",
+                                                  return_selection=True, extra_tokens=extra, extra_first=first)
+        return [o, *torch.autograd.grad(o, xs, d_o.to(device))], sel
+
+    got, sel = run(DEV)
+    exp, sel_cpu = run("cpu")
+    assert torch.equal(sel[0].cpu(), sel_cpu[0]) and torch.equal(sel[1].cpu(), sel_cpu[1]), "selections differ"
+    for name, a, e in zip(["o", "dq", "dk", "dv", "dgate"], got, exp):
+        assert a.shape == e.shape and a.device.type == "cuda"
+        assert rel(a, e) < TOL, f"{name}: {rel(a, e):.2e} against the CPU reference"
+
+
 def test_sparse_attention_and_linear_attention_against_the_reference():
     grid, b, hq, hkv, d = (9, 10, 11), 2, 4, 2, 128
     q, k, v, _, d_o = inputs(grid, b, hq, hkv, d, torch.bfloat16, seed=3)
