@@ -11,8 +11,9 @@
 // walk them exactly as the video's own lists: an extra key tile is an always-selected block with its own valid count,
 // an extra query tile a dense row of blocks. E = 0 runs the video-only pass, bit for bit.
 //
-// What the joint pass does not take yet: Hopper's copy engine and its warp-specialized dk/dv (the boxes of the copy
-// engine would read the rows past the last extra token), and dq from stored dS; they run the portable kernels' paths.
+// Hopper's copy engine and its warp-specialized dk/dv take the joint schedule as the video's. Not yet: dq from stored
+// dS (NVIDIA before Hopper, where the video-only backward takes it: the joint backward recomputes dS there), and a
+// split of an extra query tile's long walk, whose L2 traffic costs the forward ~10% on Hopper (bench/NOTES.md, v26).
 #pragma once
 
 #include "detail/attention_glue.hpp"

@@ -119,8 +119,9 @@ private:
 // them, and k2q from them), so that the kernels walk lists and count valid rows as for the video alone. What differs
 // is where a tile's rows are: video tile t at the video's first slot + 64t, extra tile N + x at the extra tokens' first
 // row + 64x, unpadded. The last extra tile's rows past E belong to something else (the video's first slots, or
-// nothing past the end of the tensor), so they are neither read (copy_tile reads valid rows only; the host does not
-// give these kernels the copy engine, whose boxes would read them) nor written (padding_stored).
+// nothing past the end of the tensor), so they are not written (padding_stored) and what is read there is never used:
+// copy_tile reads valid rows only; the copy engine's box reads the video's slots (masked and zeroed as any padding
+// rows) or, past the end of the tensor, which its map ends at S, zeros.
 struct joint_schedule : sparse_schedule {
   static constexpr bool joint = true;
   int64_t video;       // N
