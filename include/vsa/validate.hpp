@@ -465,15 +465,22 @@ inline status check_workspace(const void* workspace, std::size_t given, std::siz
   return check_buffer("workspace", workspace, given, needed);
 }
 
+// The capacity of q2k rows (caller lists, or the index stages'): 1..N.
+inline status check_q2k_capacity(const problem& p, int64_t capacity) {
+  const int64_t n = tile_geometry(p.grid).num_tiles();
+  if (capacity < 1 || capacity > n)
+    return status::error(errc::bad_index, "q2k_capacity: must be in 1..%lld, got %lld", (long long)n,
+                         (long long)capacity);
+  return status::ok();
+}
+
 // Caller-supplied q2k lists, checked on the host: every count in [0, capacity], capacity <= N, every entry
 // in [0, N), each row strictly ascending (which also rules out repeats).
 inline status check_q2k_host(const problem& p, const const_index_lists& idx) {
   const int64_t n = tile_geometry(p.grid).num_tiles();
   if (idx.q2k == nullptr || idx.q2k_count == nullptr)
     return status::error(errc::null_pointer, "q2k: list or count pointer is null");
-  if (idx.q2k_capacity < 1 || idx.q2k_capacity > n)
-    return status::error(errc::bad_index, "q2k_capacity: must be in 1..%lld, got %lld", (long long)n,
-                         (long long)idx.q2k_capacity);
+  if (status s = check_q2k_capacity(p, idx.q2k_capacity); !s) return s;
   const int64_t rows = p.batch * p.q_heads * n;
   for (int64_t r = 0; r < rows; ++r) {
     const int32_t c = idx.q2k_count[r];

@@ -31,8 +31,8 @@ struct config {
 std::string describe(const config& c, const extra_tokens& e) {
   return std::to_string(c.grid.t) + "x" + std::to_string(c.grid.h) + "x" + std::to_string(c.grid.w) + " B" +
          std::to_string(c.batch) + " Hq" + std::to_string(c.q_heads) + " Hkv" + std::to_string(c.kv_heads) + " D" +
-         std::to_string(c.head_dim) + " " + dtype_name(c.type) + (c.order == layout::bshd ? " bshd" : " bhsd") +
-         " E" + std::to_string(e.count) + (e.first ? " first" : " last");
+         std::to_string(c.head_dim) + " " + dtype_name(c.type) + (c.order == layout::bshd ? " bshd" : " bhsd") + " E" +
+         std::to_string(e.count) + (e.first ? " first" : " last");
 }
 
 // Partial tiles on every axis (narrow steps over tiles of 32 valid tokens or fewer in the first three), GQA, both
@@ -169,8 +169,8 @@ void check_joint(const config& c, extra_tokens extra, int64_t capacity, const ch
     device_tensor dq(dq_ref, poisoned), dk(dk_ref, poisoned), dv(dv_ref, poisoned);
     ws.poison();
     const status sb = joint_sparse_attention_backward(p, extra, scale, dq_in.cview(), dk_in.cview(), dv_in.cview(),
-                                                      o.cview(), ddo.cview(), lse.as<float>(), dl, dq.view(),
-                                                      dk.view(), dv.view(), ws.get(), bytes, nullptr);
+                                                      o.cview(), ddo.cview(), lse.as<float>(), dl, dq.view(), dk.view(),
+                                                      dv.view(), ws.get(), bytes, nullptr);
     INFO(sb.message());
     REQUIRE(sb.is_ok());
     VSA_REQUIRE_RT(gpu_sync());
@@ -221,8 +221,8 @@ TEST_CASE("joint sparse attention without extra tokens is the video-only pass", 
   device_tensor o1(q, poisoned), o2(q, poisoned);
   const std::size_t lse_size = sizeof(float) * p.batch * p.q_heads * a.tokens;
   device_buffer l1(lse_size), l2(lse_size);
-  REQUIRE(sparse_attention_forward(p, scale, dq_in.cview(), dk_in.cview(), dv_in.cview(), dl, o1.view(),
-                                   l1.as<float>(), nullptr)
+  REQUIRE(sparse_attention_forward(p, scale, dq_in.cview(), dk_in.cview(), dv_in.cview(), dl, o1.view(), l1.as<float>(),
+                                   nullptr)
               .is_ok());
   REQUIRE(joint_sparse_attention_forward(p, {}, scale, dq_in.cview(), dk_in.cview(), dv_in.cview(), dl, o2.view(),
                                          l2.as<float>(), nullptr, 0, nullptr)
@@ -234,11 +234,11 @@ TEST_CASE("joint sparse attention without extra tokens is the video-only pass", 
   device_tensor dq1(q, poisoned), dk1(k, poisoned), dv1(v, poisoned), dq2(q, poisoned), dk2(k, poisoned),
       dv2(v, poisoned);
   std::size_t b1 = 0, b2 = 0;
-  REQUIRE(sparse_attention_backward(p, scale, {}, {}, {}, {}, {}, nullptr, dl, {}, {}, {}, nullptr, b1, nullptr)
-              .is_ok());
-  REQUIRE(joint_sparse_attention_backward(p, {}, scale, {}, {}, {}, {}, {}, nullptr, dl, {}, {}, {}, nullptr, b2,
-                                          nullptr)
-              .is_ok());
+  REQUIRE(
+      sparse_attention_backward(p, scale, {}, {}, {}, {}, {}, nullptr, dl, {}, {}, {}, nullptr, b1, nullptr).is_ok());
+  REQUIRE(
+      joint_sparse_attention_backward(p, {}, scale, {}, {}, {}, {}, {}, nullptr, dl, {}, {}, {}, nullptr, b2, nullptr)
+          .is_ok());
   // The video-only pass in the least workspace, as the joint one runs it (dq recomputing dS).
   b1 = sparse_attention_backward_workspace(p);
   device_buffer w1(b1), w2(b2);
@@ -246,8 +246,8 @@ TEST_CASE("joint sparse attention without extra tokens is the video-only pass", 
                                     l1.as<float>(), dl, dq1.view(), dk1.view(), dv1.view(), w1.get(), b1, nullptr)
               .is_ok());
   REQUIRE(joint_sparse_attention_backward(p, {}, scale, dq_in.cview(), dk_in.cview(), dv_in.cview(), o1.cview(),
-                                          ddo.cview(), l1.as<float>(), dl, dq2.view(), dk2.view(), dv2.view(),
-                                          w2.get(), b2, nullptr)
+                                          ddo.cview(), l1.as<float>(), dl, dq2.view(), dk2.view(), dv2.view(), w2.get(),
+                                          b2, nullptr)
               .is_ok());
   VSA_REQUIRE_RT(gpu_sync());
   CHECK(dq1.download_raw() == dq2.download_raw());
@@ -316,9 +316,9 @@ TEST_CASE("the joint whole op matches the reference on its selection", "[gpu][jo
         dk_ref(c.type, c.batch, a.tokens, p.kv_heads, c.head_dim, c.order),
         dv_ref(c.type, c.batch, a.tokens, p.kv_heads, c.head_dim, c.order),
         dg_ref(c.type, c.batch, a.tokens, p.q_heads, c.head_dim, c.order);
-    const backward_io rbio{q.view(),      k_.view(),     v.view(),      gated ? gate.view() : const_tensor{},
-                           o_ref.view(),  d_o.view(),    dq_ref.view(), dk_ref.view(),
-                           dv_ref.view(), gated ? dg_ref.view() : tensor{}};
+    const backward_io rbio{
+        q.view(),      k_.view(),     v.view(),      gated ? gate.view() : const_tensor{}, o_ref.view(), d_o.view(),
+        dq_ref.view(), dk_ref.view(), dv_ref.view(), gated ? dg_ref.view() : tensor{}};
     const status rb = reference::joint_backward(p, extra, opt, rbio, rws.data(), rbytes);
     INFO(rb.message());
     REQUIRE(rb.is_ok());

@@ -96,13 +96,12 @@ tensor_quad forward_op(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 
 // The whole op's backward: dq, dk, dv, and dgate (empty without a gate), from the forward's state; with raster_out,
 // o as the forward wrote it and the gradients in raster order.
-template <class Backend> tensor_quad backward_op(const at::Tensor& d_o, const at::Tensor& q, const at::Tensor& k,
-                                                 const at::Tensor& v, const c10::optional<at::Tensor>& gate,
-                                                 const at::Tensor& o, const at::Tensor& state, at::IntArrayRef grid,
-                                                 int64_t top_k, double sparsity, double scale,
-                                                 const c10::optional<at::Tensor>& q2k,
-                                                 const c10::optional<at::Tensor>& q2k_count, bool raster_out,
-                                                 int64_t extra, bool extra_first) {
+template <class Backend>
+tensor_quad backward_op(const at::Tensor& d_o, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        const c10::optional<at::Tensor>& gate, const at::Tensor& o, const at::Tensor& state,
+                        at::IntArrayRef grid, int64_t top_k, double sparsity, double scale,
+                        const c10::optional<at::Tensor>& q2k, const c10::optional<at::Tensor>& q2k_count,
+                        bool raster_out, int64_t extra, bool extra_first) {
   const char* op = "backward";
   const vsa::problem p = make_problem(q, k, grid, op);
   check_bshd(v, q, op, "v");
@@ -226,7 +225,8 @@ struct op_sizes {
   int64_t state_bytes = 0, top_k = 0;
 };
 using op_sizes_fn = op_sizes (*)(const vsa::problem&, const vsa::extra_tokens&, const vsa::options&);
-template <class Backend> op_sizes sizes_of(const vsa::problem& p, const vsa::extra_tokens& extra, const vsa::options& opt) {
+template <class Backend>
+op_sizes sizes_of(const vsa::problem& p, const vsa::extra_tokens& extra, const vsa::options& opt) {
   vsa::op_buffers mem;
   check(Backend::forward_query(p, extra, opt, mem), "forward");
   int64_t k = 0;

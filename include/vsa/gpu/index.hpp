@@ -356,9 +356,7 @@ inline status build_k2q(const problem& p, index_lists idx, void* workspace, std:
   status s = check_problem(p, target::gpu);
   if (!s) return s;
   const int64_t n = tile_geometry(p.grid).num_tiles();
-  if (idx.q2k_capacity < 1 || idx.q2k_capacity > n)
-    return status::error(errc::bad_index, "q2k_capacity: must be in 1..%lld, got %lld", (long long)n,
-                         (long long)idx.q2k_capacity);
+  if (!(s = check_q2k_capacity(p, idx.q2k_capacity))) return s;
   if (n * idx.q2k_capacity > int64_t(INT32_MAX))
     return status::error(errc::bad_index, "q2k_capacity: N·capacity = %lld overflows the int32 offsets",
                          (long long)(n * idx.q2k_capacity));

@@ -25,11 +25,11 @@ namespace gpu {
 namespace detail {
 
 struct joint_lists_params {
-  const int32_t* q2k;       // the caller's video lists [B·Hq, N, capacity] and counts [B·Hq, N]
+  const int32_t* q2k; // the caller's video lists [B·Hq, N, capacity] and counts [B·Hq, N]
   const int32_t* q2k_count;
   int64_t capacity;
-  int32_t* list;            // [B·Hq, T, T], T = N + X: row t holds its count's entries, the rest untouched
-  int32_t* count;           // [B·Hq, T]
+  int32_t* list;              // [B·Hq, T, T], T = N + X: row t holds its count's entries, the rest untouched
+  int32_t* count;             // [B·Hq, T]
   int64_t video, tiles, rows; // N, T, B·Hq·T
 };
 
@@ -81,38 +81,14 @@ namespace detail {
 inline status zero_token_rows(const problem& p, const tensor& x, int64_t first, int64_t rows, int64_t heads,
                               gpu::stream_t stream) {
   const int64_t chunks = p.head_dim / 8;
-  gpu::detail::zero_rows_params zp{gpu::detail::make_operand(x), first, rows, heads, chunks,
+  gpu::detail::zero_rows_params zp{gpu::detail::make_operand(x),   first, rows, heads, chunks,
                                    p.batch * rows * heads * chunks};
   if (zp.items == 0) return status::ok();
   return gpu::launch("zero rows", gpu::detail::zero_rows_kernel<>, gpu::detail::grid_blocks((zp.items + 255) / 256),
                      256, 0, stream, false, zp);
 }
 
-// The joint pass's backward scratch (joint_workspace's last three pieces, at `scratch`): delta over its `rows` rows,
-// then the dk/dv launch order over its `tiles` tiles, which this launches; points bp and dp at them.
-inline status prepare_joint_backward(const problem& p, int64_t tiles, int64_t rows, const int32_t* k2q_offset,
-                                     void* scratch, gpu::detail::backward_params& bp, gpu::detail::delta_params& dp,
-                                     gpu::stream_t stream) {
-  unsigned char* at = static_cast<unsigned char*>(scratch);
-  float* delta = reinterpret_cast<float*>(at);
-  at += align_up(sizeof(float) * p.batch * p.q_heads * rows);
-  gpu::detail::order_params op{};
-  op.counts = reinterpret_cast<int32_t*>(at);
-  op.order = reinterpret_cast<int32_t*>(at + align_up(sizeof(int32_t) * 2 * gpu::detail::order_buckets * p.batch *
-                                                      p.kv_heads));
-  op.k2q_offset = k2q_offset;
-  op.tiles = tiles;
-  op.q_heads = p.q_heads;
-  op.kv_heads = p.kv_heads;
-  op.group = p.q_heads / p.kv_heads;
-  op.items = p.batch * p.kv_heads * tiles;
-  dp.delta = delta;
-  bp.delta = delta;
-  bp.order = op.order;
-  return gpu::detail::launch_order(op, stream);
-}
-
-// The joint pass's tiles: N video tiles and X = ⌈E/64⌉ extra ones (extra.count ≥ 1).
+// The joint pass's tiles: N video tiles and X = ⌈E/64⌉ extra ones (none for E = 0).
 struct joint_tiles {
   int64_t video, extra, all, tokens;
   joint_tiles(const problem& p, const extra_tokens& e)
@@ -120,25 +96,60 @@ struct joint_tiles {
         all(video + extra), tokens(tile_geometry(p.grid).tiled_tokens() + e.count) {}
 };
 
+// The joint lists' rows of T = N + X entries, counted and offset by int32 as build_k2q's (E ≥ 1).
+inline status check_joint_tiles(const problem& p, const extra_tokens& extra) {
+  const joint_tiles t(p, extra);
+  if (t.all * t.all > int64_t(INT32_MAX) ||
+      t.all > int64_t(gpu::detail::k2q_max_count_blocks) * gpu::detail::k2q_count_columns)
+    return status::error(errc::unsupported,
+                         "extra.count: %lld video tiles and %lld extra ones are more than the lists hold",
+                         (long long)t.video, (long long)t.extra);
+  return status::ok();
+}
+
+// The joint backward's own scratch, each piece aligned to workspace_alignment: delta (one fp32 a row of S), the
+// order kernels' counts and the dk/dv launch order (one int a kv head's tile).
+struct joint_backward_scratch {
+  std::size_t delta, order_counts, order;
+  joint_backward_scratch(const problem& p, const joint_tiles& t)
+      : delta(align_up(sizeof(float) * p.batch * p.q_heads * t.tokens)),
+        order_counts(align_up(sizeof(int32_t) * 2 * gpu::detail::order_buckets * p.batch * p.kv_heads)),
+        order(align_up(sizeof(int32_t) * p.batch * p.kv_heads * t.all)) {}
+  std::size_t bytes() const { return delta + order_counts + order; }
+};
+
+// Carves a joint_backward_scratch at `scratch`, points bp and dp at its delta and launches what fills the dk/dv
+// launch order from the joint k2q lists' offsets.
+inline status prepare_joint_backward(const problem& p, const joint_tiles& t, const int32_t* k2q_offset, void* scratch,
+                                     gpu::detail::backward_params& bp, gpu::detail::delta_params& dp,
+                                     gpu::stream_t stream) {
+  const joint_backward_scratch pieces(p, t);
+  unsigned char* at = static_cast<unsigned char*>(scratch);
+  float* delta = reinterpret_cast<float*>(at);
+  const gpu::detail::order_params op =
+      order_params_of(p, t.all, k2q_offset, reinterpret_cast<int32_t*>(at + pieces.delta),
+                      reinterpret_cast<int32_t*>(at + pieces.delta + pieces.order_counts));
+  dp.delta = delta;
+  bp.delta = delta;
+  bp.order = op.order;
+  return gpu::detail::launch_order(op, stream);
+}
+
 // Its schedule over lists of T = N + X entries a row: q2k (counts) for the forward and dq, k2q (offsets) for dk/dv.
 inline gpu::detail::joint_schedule joint_schedule_of(const problem& p, const extra_tokens& e, const int32_t* list,
                                                      const int32_t* count, const int32_t* offset) {
   const joint_tiles t(p, e);
   const tile_geometry geo(p.grid);
-  return {{geo, list, count, offset, t.all, t.all},
-          t.video,
-          e.video_start(),
-          e.extra_start(geo.tiled_tokens()),
-          t.tokens,
-          static_cast<int>(e.count - (t.extra - 1) * gpu::tile_rows)};
+  return {
+      {geo, list, count, offset, t.all, t.all}, t.video,  e.video_start(),
+      e.extra_start(geo.tiled_tokens()),        t.tokens, static_cast<int>(e.count - (t.extra - 1) * gpu::tile_rows)};
 }
 
 // The workspace of the joint pass (E ≥ 1), each piece aligned to workspace_alignment. The forward: the q2k lists and
-// counts over T tiles. The backward adds their k2q lists and offsets, build_k2q's scratch, and the sparse
-// backward's own scratch over the joint rows: delta (one fp32 a row of S), the order kernels' counts and the dk/dv
-// launch order (one int a kv head's tile).
+// counts over T tiles. The backward adds their k2q lists and offsets, build_k2q's scratch, and its own scratch
+// (joint_backward_scratch).
 struct joint_workspace {
-  std::size_t lists, counts, k2q = 0, offsets = 0, k2q_scratch = 0, delta = 0, order_counts = 0, order = 0;
+  std::size_t lists, counts, k2q = 0, offsets = 0, k2q_scratch = 0, scratch = 0;
   gpu::detail::k2q_layout layout{};
   joint_workspace(const problem& p, const joint_tiles& t, bool backward) {
     const std::size_t heads = static_cast<std::size_t>(p.batch * p.q_heads), all = static_cast<std::size_t>(t.all);
@@ -149,11 +160,23 @@ struct joint_workspace {
     offsets = align_up(sizeof(int32_t) * heads * (all + 1));
     layout.init(t.all, p.batch * p.q_heads);
     k2q_scratch = layout.total();
-    delta = align_up(sizeof(float) * heads * static_cast<std::size_t>(t.tokens));
-    order_counts = align_up(sizeof(int32_t) * 2 * gpu::detail::order_buckets * p.batch * p.kv_heads);
-    order = align_up(sizeof(int32_t) * p.batch * p.kv_heads * all);
+    scratch = joint_backward_scratch(p, t).bytes();
   }
-  std::size_t bytes() const { return lists + counts + k2q + offsets + k2q_scratch + delta + order_counts + order; }
+  std::size_t bytes() const { return lists + counts + k2q + offsets + k2q_scratch + scratch; }
+};
+
+// The workspace of the backward without extra tokens, which runs the video-only pass: the k2q lists of the caller's
+// q2k lists and their offsets, build_k2q's scratch, then the least of sparse_attention_backward.
+struct video_backward_workspace {
+  std::size_t k2q, offsets, rest;
+  gpu::detail::k2q_layout layout{};
+  video_backward_workspace(const problem& p, int64_t capacity) : rest(sparse_attention_backward_workspace(p)) {
+    const int64_t n = tile_geometry(p.grid).num_tiles(), heads = p.batch * p.q_heads;
+    k2q = align_up(sizeof(int32_t) * heads * n * capacity);
+    offsets = align_up(sizeof(int32_t) * heads * (n + 1));
+    layout.init(n, heads);
+  }
+  std::size_t bytes() const { return k2q + offsets + layout.total() + rest; }
 };
 
 // The checks both joint entry points share, in the order of the video-only pass's; tokens is S = N·64 + E.
@@ -165,21 +188,14 @@ inline status check_joint_common(const problem& p, const extra_tokens& extra, fl
   const int64_t tokens = tile_geometry(p.grid).tiled_tokens() + extra.count;
   if (s) s = check_inputs(p, scale, q, k, v, tokens);
   if (s) s = check_lists(p, idx, false);
-  if (s && extra.count > 0) {
-    // Rows of T entries, counted and offset by int32 as build_k2q's.
-    const joint_tiles t(p, extra);
-    if (t.all * t.all > int64_t(INT32_MAX) || t.all > int64_t(gpu::detail::k2q_max_count_blocks) *
-                                                          gpu::detail::k2q_count_columns)
-      s = status::error(errc::unsupported, "extra.count: %lld video tiles and %lld extra ones are more than the lists hold",
-                        (long long)t.video, (long long)t.extra);
-  }
+  if (s && extra.count > 0) s = check_joint_tiles(p, extra);
   return s;
 }
 
 // Writes the joint q2k lists into the workspace's first two pieces.
 inline status launch_joint_lists(const problem& p, const joint_tiles& t, const const_index_lists& idx, int32_t* list,
                                  int32_t* count, gpu::stream_t stream) {
-  gpu::detail::joint_lists_params jp{idx.q2k, idx.q2k_count, idx.q2k_capacity, list, count,
+  gpu::detail::joint_lists_params jp{idx.q2k, idx.q2k_count, idx.q2k_capacity,           list, count,
                                      t.video, t.all,         p.batch * p.q_heads * t.all};
   return gpu::launch("joint lists", gpu::detail::joint_lists_kernel<>, gpu::detail::grid_blocks(jp.rows), 128, 0,
                      stream, false, jp);
@@ -201,10 +217,9 @@ inline std::size_t joint_sparse_attention_forward_workspace(const problem& p, ex
 // (none for E = 0: then it may be null). A template only so that the joint kernels are instantiated where it is called
 // (op.hpp's joint_forward says why).
 template <class = void>
-status joint_sparse_attention_forward(const problem& p, extra_tokens extra, float scale, const_tensor q,
-                                             const_tensor k, const_tensor v, const_index_lists idx, tensor o_s,
-                                             float* lse, void* workspace, std::size_t workspace_bytes,
-                                             gpu::stream_t stream) {
+status joint_sparse_attention_forward(const problem& p, extra_tokens extra, float scale, const_tensor q, const_tensor k,
+                                      const_tensor v, const_index_lists idx, tensor o_s, float* lse, void* workspace,
+                                      std::size_t workspace_bytes, gpu::stream_t stream) {
   status s = detail::check_joint_common(p, extra, scale, q, k, v, idx);
   if (!s) return s;
   if (extra.count == 0) return sparse_attention_forward(p, scale, q, k, v, idx, o_s, lse, stream);
@@ -229,11 +244,7 @@ status joint_sparse_attention_forward(const problem& p, extra_tokens extra, floa
 inline std::size_t joint_sparse_attention_backward_workspace(const problem& p, extra_tokens extra,
                                                              int64_t q2k_capacity) {
   if (extra.count > 0) return detail::joint_workspace(p, detail::joint_tiles(p, extra), true).bytes();
-  const int64_t n = tile_geometry(p.grid).num_tiles(), heads = p.batch * p.q_heads;
-  gpu::detail::k2q_layout layout{};
-  layout.init(n, heads);
-  return detail::align_up(sizeof(int32_t) * heads * n * q2k_capacity) +
-         detail::align_up(sizeof(int32_t) * heads * (n + 1)) + layout.total() + sparse_attention_backward_workspace(p);
+  return detail::video_backward_workspace(p, q2k_capacity).bytes();
 }
 
 // dq, dk, dv of the joint pass (padding slots 0; dk and dv summed over each kv head's group), from dO and the
@@ -242,17 +253,13 @@ inline std::size_t joint_sparse_attention_backward_workspace(const problem& p, e
 // idx.q2k_capacity) bytes; workspace == nullptr asks for that size. A template as the forward.
 template <class = void>
 status joint_sparse_attention_backward(const problem& p, extra_tokens extra, float scale, const_tensor q,
-                                              const_tensor k, const_tensor v, const_tensor o_s, const_tensor d_o,
-                                              const float* lse, const_index_lists idx, tensor dq, tensor dk,
-                                              tensor dv, void* workspace, std::size_t& workspace_bytes,
-                                              gpu::stream_t stream) {
+                                       const_tensor k, const_tensor v, const_tensor o_s, const_tensor d_o,
+                                       const float* lse, const_index_lists idx, tensor dq, tensor dk, tensor dv,
+                                       void* workspace, std::size_t& workspace_bytes, gpu::stream_t stream) {
   // The size query needs the problem, the extra tokens and the lists' capacity only, as sparse_attention_backward's.
   status s = check_problem(p, target::gpu);
   if (s) s = check_extra_tokens(p, extra);
-  const int64_t n = tile_geometry(p.grid).num_tiles();
-  if (s && (idx.q2k_capacity < 1 || idx.q2k_capacity > n))
-    s = status::error(errc::bad_index, "q2k_capacity: must be in 1..%lld, got %lld", (long long)n,
-                      (long long)idx.q2k_capacity);
+  if (s) s = check_q2k_capacity(p, idx.q2k_capacity);
   if (!s) return s;
   const std::size_t need = joint_sparse_attention_backward_workspace(p, extra, idx.q2k_capacity);
   if (workspace == nullptr) {
@@ -272,18 +279,14 @@ status joint_sparse_attention_backward(const problem& p, extra_tokens extra, flo
   unsigned char* at = static_cast<unsigned char*>(workspace);
 
   if (extra.count == 0) { // the video-only backward on k2q built here
-    const int64_t heads = p.batch * p.q_heads;
+    const detail::video_backward_workspace w(p, idx.q2k_capacity);
     index_lists lists{const_cast<int32_t*>(idx.q2k), const_cast<int32_t*>(idx.q2k_count), idx.q2k_capacity,
-                      reinterpret_cast<int32_t*>(at), nullptr};
-    at += detail::align_up(sizeof(int32_t) * heads * n * idx.q2k_capacity);
-    lists.k2q_offset = reinterpret_cast<int32_t*>(at);
-    at += detail::align_up(sizeof(int32_t) * heads * (n + 1));
-    gpu::detail::k2q_layout layout{};
-    layout.init(n, heads);
-    if (!(s = gpu::detail::launch_k2q(n, layout, lists, at, stream))) return s;
-    at += layout.total();
-    std::size_t rest = sparse_attention_backward_workspace(p);
-    return sparse_attention_backward(p, scale, q, k, v, o_s, d_o, lse, as_const(lists), dq, dk, dv, at, rest, stream);
+                      reinterpret_cast<int32_t*>(at), reinterpret_cast<int32_t*>(at + w.k2q)};
+    at += w.k2q + w.offsets;
+    if (!(s = gpu::detail::launch_k2q(t.video, w.layout, lists, at, stream))) return s;
+    std::size_t rest = w.rest;
+    return sparse_attention_backward(p, scale, q, k, v, o_s, d_o, lse, as_const(lists), dq, dk, dv,
+                                     at + w.layout.total(), rest, stream);
   }
 
   const detail::joint_workspace w(p, t, true);
@@ -303,8 +306,7 @@ status joint_sparse_attention_backward(const problem& p, extra_tokens extra, flo
   gpu::detail::backward_params bp = detail::sparse_backward_params(p, scale, q, k, v, d_o, dq, dk, dv, lse);
   gpu::detail::delta_params dp =
       detail::delta_base(p, gpu::detail::make_operand(o_s), gpu::detail::make_operand(d_o), qs);
-  if (!(s = detail::prepare_joint_backward(p, t.all, t.tokens, lists.k2q_offset, backward_scratch, bp, dp, stream)))
-    return s;
+  if (!(s = detail::prepare_joint_backward(p, t, lists.k2q_offset, backward_scratch, bp, dp, stream))) return s;
   return detail::run_backward(p, dp, bp, qs, ks, stream);
 }
 

@@ -68,10 +68,7 @@ inline status plan_op(const problem& p, const extra_tokens& extra, const options
   w.extra = extra;
   w.tiles = jt.all;
   w.rows = jt.tokens;
-  if (joint && (jt.all * jt.all > int64_t(INT32_MAX) ||
-                jt.all > int64_t(gpu::detail::k2q_max_count_blocks) * gpu::detail::k2q_count_columns))
-    return status::error(errc::unsupported, "extra.count: %lld video tiles and %lld extra ones are more than the lists hold",
-                         (long long)n, (long long)jt.extra);
+  if (joint && !(s = check_joint_tiles(p, extra))) return s;
   const std::size_t e = dtype_size(p.type), d = static_cast<std::size_t>(p.head_dim);
   w.coarse = opt.q2k.q2k == nullptr;
   if (w.coarse) {
@@ -80,9 +77,7 @@ inline status plan_op(const problem& p, const extra_tokens& extra, const options
     w.capacity = w.top_k;
   } else {
     w.capacity = opt.q2k.q2k_capacity;
-    if (w.capacity < 1 || w.capacity > n)
-      return status::error(errc::bad_index, "q2k_capacity: must be in 1..%lld, got %lld", (long long)n,
-                           (long long)w.capacity);
+    if (!(s = check_q2k_capacity(p, w.capacity))) return s;
   }
   std::size_t off = 0;
   const auto take = [&](std::size_t bytes) {
@@ -144,11 +139,8 @@ inline status plan_op(const problem& p, const extra_tokens& extra, const options
     w.b_scores = take(bh * n * n * sizeof(float));
     w.coarse_scratch = take(coarse_attention_backward_workspace(p));
   }
-  // The joint pass's backward scratch: delta over its rows, then the dk/dv launch order (joint_workspace's pieces).
-  w.sparse_scratch = take(joint ? align_up(sizeof(float) * bh * rows) +
-                                      align_up(sizeof(int32_t) * 2 * gpu::detail::order_buckets * bhk) +
-                                      align_up(sizeof(int32_t) * bhk * t)
-                                : sparse_attention_backward_workspace(p, w.capacity));
+  w.sparse_scratch =
+      take(joint ? joint_backward_scratch(p, jt).bytes() : sparse_attention_backward_workspace(p, w.capacity));
   w.backward_scratch_bytes = off;
   return status::ok();
 }
@@ -219,9 +211,8 @@ inline status op_output_tokens(const problem& p, const options& opt, const op_wo
 
 // The forward on its plan (both forms of forward() below plan once). Joint: with extra tokens (w.extra), the
 // sparse pass over the joint schedule; instantiated by joint_forward only.
-template <bool Joint = false>
-status forward_planned(const problem& p, const options& opt, const op_workspace& w, const forward_io& io,
-                       op_buffers& buffers, gpu::stream_t stream) {
+template <bool Joint = false> status forward_planned(const problem& p, const options& opt, const op_workspace& w,
+                                                     const forward_io& io, op_buffers& buffers, gpu::stream_t stream) {
   status s = status::ok();
   if (buffers.state == nullptr) {
     buffers.state_bytes = w.state_bytes;
@@ -322,7 +313,7 @@ inline status forward(const problem& p, const options& opt, const forward_io& io
 // caller that inspects them or passes them back through options::q2k on a later call. Null lists when the
 // caller supplied its own. The state may be device memory: nothing is read here.
 inline status joint_selected_lists(const problem& p, extra_tokens extra, const options& opt, const void* state,
-                                  const_index_lists& lists) {
+                                   const_index_lists& lists) {
   detail::op_workspace w;
   const status s = detail::plan_op(p, extra, opt, w);
   if (!s) return s;
@@ -341,9 +332,9 @@ inline status selected_lists(const problem& p, const options& opt, const void* s
 namespace detail {
 
 // The backward on its plan (both forms of backward() below plan once); Joint as for forward_planned.
-template <bool Joint = false>
-status backward_planned(const problem& p, const options& opt, const op_workspace& w, const backward_io& io,
-                        op_buffers& buffers, gpu::stream_t stream) {
+template <bool Joint = false> status backward_planned(const problem& p, const options& opt, const op_workspace& w,
+                                                      const backward_io& io, op_buffers& buffers,
+                                                      gpu::stream_t stream) {
   status s = status::ok();
   if (buffers.state == nullptr) {
     buffers.state_bytes = w.state_bytes;
@@ -388,8 +379,8 @@ status backward_planned(const problem& p, const options& opt, const op_workspace
     s = combine_backward(p, video_rows(io.d_o, p, w.extra), video_rows(io.gate, p, w.extra), o_c,
                          video_rows(io.dgate, p, w.extra), d_o_c, stream, opt.output_order);
     if constexpr (Joint) {
-      if (s && io.dgate.data != nullptr) s = zero_token_rows(p, io.dgate, w.extra.extra_start(w.rows - w.extra.count),
-                                                             w.extra.count, p.q_heads, stream);
+      if (s && io.dgate.data != nullptr)
+        s = zero_token_rows(p, io.dgate, w.extra.extra_start(w.rows - w.extra.count), w.extra.count, p.q_heads, stream);
     }
     if (s)
       s = coarse_scores(p, scale, w.at<const float>(state, w.q_c32), w.at<const float>(state, w.k_c32), scores, stream);
@@ -425,8 +416,8 @@ status backward_planned(const problem& p, const options& opt, const op_workspace
     const int32_t *list = w.at<const int32_t>(state, w.joint_q2k), *count = w.at<const int32_t>(state, w.joint_count);
     const auto qs = joint_schedule_of(p, w.extra, list, count, nullptr);
     const auto ks = joint_schedule_of(p, w.extra, idx.k2q, nullptr, idx.k2q_offset);
-    dp.tiles = qs.video_tiles(); // delta_base's, made again: o_c's rows
-    s = prepare_joint_backward(p, w.tiles, w.rows, idx.k2q_offset, w.at(scratch, w.sparse_scratch), bp, dp, stream);
+    s = prepare_joint_backward(p, joint_tiles(p, w.extra), idx.k2q_offset, w.at(scratch, w.sparse_scratch), bp, dp,
+                               stream);
     return s ? detail::run_backward(p, dp, bp, qs, ks, stream) : s;
   } else {
     const auto qs = detail::q2k_schedule(p, idx);
@@ -464,36 +455,34 @@ inline status backward(const problem& p, const options& opt, const backward_io& 
 // memory forms as forward() and backward(); extra.count = 0 is the video-only op. Not yet: output_order raster.
 // Templates only so that the joint kernels are instantiated where the joint op is called, not in every translation
 // unit that includes this header (an inline function is compiled, and its kernels emitted, wherever it is seen).
-template <class = void>
-status joint_forward(const problem& p, extra_tokens extra, const options& opt, const forward_io& io,
-                     op_buffers& buffers, gpu::stream_t stream) {
+template <class = void> status joint_forward(const problem& p, extra_tokens extra, const options& opt,
+                                             const forward_io& io, op_buffers& buffers, gpu::stream_t stream) {
   detail::op_workspace w;
   const status s = detail::plan_op(p, extra, opt, w);
   if (!s) return s;
   return extra.count > 0 ? detail::forward_planned<true>(p, opt, w, io, buffers, stream)
                          : detail::forward_planned(p, opt, w, io, buffers, stream);
 }
-template <class = void>
-status joint_forward(const problem& p, extra_tokens extra, const options& opt, const forward_io& io, void* workspace,
-                     std::size_t& workspace_bytes, gpu::stream_t stream) {
+template <class = void> status joint_forward(const problem& p, extra_tokens extra, const options& opt,
+                                             const forward_io& io, void* workspace, std::size_t& workspace_bytes,
+                                             gpu::stream_t stream) {
   return detail::in_one_workspace(p, extra, opt, false, workspace, workspace_bytes,
                                   [&](const detail::op_workspace& w, op_buffers& b) {
                                     return extra.count > 0 ? detail::forward_planned<true>(p, opt, w, io, b, stream)
                                                            : detail::forward_planned(p, opt, w, io, b, stream);
                                   });
 }
-template <class = void>
-status joint_backward(const problem& p, extra_tokens extra, const options& opt, const backward_io& io,
-                      op_buffers& buffers, gpu::stream_t stream) {
+template <class = void> status joint_backward(const problem& p, extra_tokens extra, const options& opt,
+                                              const backward_io& io, op_buffers& buffers, gpu::stream_t stream) {
   detail::op_workspace w;
   const status s = detail::plan_op(p, extra, opt, w);
   if (!s) return s;
   return extra.count > 0 ? detail::backward_planned<true>(p, opt, w, io, buffers, stream)
                          : detail::backward_planned(p, opt, w, io, buffers, stream);
 }
-template <class = void>
-status joint_backward(const problem& p, extra_tokens extra, const options& opt, const backward_io& io,
-                      void* workspace, std::size_t& workspace_bytes, gpu::stream_t stream) {
+template <class = void> status joint_backward(const problem& p, extra_tokens extra, const options& opt,
+                                              const backward_io& io, void* workspace, std::size_t& workspace_bytes,
+                                              gpu::stream_t stream) {
   return detail::in_one_workspace(p, extra, opt, true, workspace, workspace_bytes,
                                   [&](const detail::op_workspace& w, op_buffers& b) {
                                     return extra.count > 0 ? detail::backward_planned<true>(p, opt, w, io, b, stream)

@@ -410,8 +410,8 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), backward_min_bl
   float* vf = p.dv_f32 != nullptr ? p.dv_f32 + (bhk * rows_total + j * 64) * D : nullptr;
   const bool video = s.video_tile(j); // the extra tokens' tiles have no folds
   with_out_rows<M>(p.dk, p.raster_out, s, b, hk, j, row0, kv, [&](const auto& rows) {
-    store_band<E, D, M, Sched>(dk, p.scale, row0, kv, rows, kf, video ? p.fold_k : nullptr,
-                               bhk * s.video_tiles() + j, s.padding_stored(j));
+    store_band<E, D, M, Sched>(dk, p.scale, row0, kv, rows, kf, video ? p.fold_k : nullptr, bhk * s.video_tiles() + j,
+                               s.padding_stored(j));
   });
   with_out_rows<M>(p.dv, p.raster_out, s, b, hk, j, row0, kv, [&](const auto& rows) {
     store_band<E, D, M, Sched>(dv, 1.f, row0, kv, rows, vf, video ? p.fold_v : nullptr, bhk * s.video_tiles() + j,

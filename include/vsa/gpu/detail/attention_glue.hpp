@@ -32,14 +32,11 @@ inline status check_gradients(const problem& p, const tensor& dq, const tensor& 
 
 // The q2k lists a caller supplies, and the k2q lists where the pass walks them (the sparse backward).
 inline status check_lists(const problem& p, const const_index_lists& idx, bool need_k2q) {
-  const int64_t n = tile_geometry(p.grid).num_tiles();
   status s = check_pointer("q2k", idx.q2k, 4);
   if (s) s = check_pointer("q2k_count", idx.q2k_count, 4);
   if (s && need_k2q) s = check_pointer("k2q", idx.k2q, 4);
   if (s && need_k2q) s = check_pointer("k2q_offset", idx.k2q_offset, 4);
-  if (s && (idx.q2k_capacity < 1 || idx.q2k_capacity > n))
-    s = status::error(errc::bad_index, "q2k_capacity: must be in 1..%lld, got %lld", (long long)n,
-                      (long long)idx.q2k_capacity);
+  if (s) s = check_q2k_capacity(p, idx.q2k_capacity);
   return s;
 }
 
@@ -174,6 +171,21 @@ inline std::size_t sparse_backward_preferred_bytes(const problem& p, int64_t cap
   return sparse_backward_scratch(p, capacity, minimum.bytes() + stored_ds_budget).bytes();
 }
 
+// The order kernels' parameters over `tiles` key tiles a kv head, from the k2q lists' offsets (launch_order).
+inline gpu::detail::order_params order_params_of(const problem& p, int64_t tiles, const int32_t* k2q_offset,
+                                                 int32_t* counts, int32_t* order) {
+  gpu::detail::order_params op{};
+  op.k2q_offset = k2q_offset;
+  op.counts = counts;
+  op.order = order;
+  op.tiles = tiles;
+  op.q_heads = p.q_heads;
+  op.kv_heads = p.kv_heads;
+  op.group = p.q_heads / p.kv_heads;
+  op.items = p.batch * p.kv_heads * tiles;
+  return op;
+}
+
 // Carves the fine backward's scratch of scratch_bytes, points bp and dp at it and launches what fills the dk/dv
 // launch order.
 inline status prepare_sparse_backward(const problem& p, const const_index_lists& idx, void* scratch,
@@ -183,17 +195,10 @@ inline status prepare_sparse_backward(const problem& p, const const_index_lists&
   unsigned char* at = static_cast<unsigned char*>(scratch);
   float* delta = reinterpret_cast<float*>(at);
   at += pieces.delta;
-  gpu::detail::order_params op{};
-  op.counts = reinterpret_cast<int32_t*>(at);
-  at += pieces.counts;
-  op.order = reinterpret_cast<int32_t*>(at);
-  op.k2q_offset = idx.k2q_offset;
-  op.tiles = tile_geometry(p.grid).num_tiles();
-  op.q_heads = p.q_heads;
-  op.kv_heads = p.kv_heads;
-  op.group = p.q_heads / p.kv_heads;
-  op.items = p.batch * p.kv_heads * op.tiles;
-  at += pieces.order;
+  const gpu::detail::order_params op =
+      order_params_of(p, tile_geometry(p.grid).num_tiles(), idx.k2q_offset, reinterpret_cast<int32_t*>(at),
+                      reinterpret_cast<int32_t*>(at + pieces.counts));
+  at += pieces.counts + pieces.order;
   dp.delta = delta;
   bp.delta = delta;
   bp.order = op.order;

@@ -171,8 +171,8 @@ template <bool Can = stores_ds_here> bool stores_ds_for(dtype t, int64_t d) {
 }
 
 // Hopper's warp-specialized dk/dv for a schedule (head dim 128 only: named where has_split below holds).
-template <class E, int D, class Sched>
-inline constexpr auto split_dkdv = hopper::hopper_dkdv_kernel<E, D, hopper::dkdv_tuning, false, Sched>;
+template <class E, int D, class Sched> inline constexpr auto split_dkdv =
+    hopper::hopper_dkdv_kernel<E, D, hopper::dkdv_tuning, false, Sched>;
 
 template <class E, int D, class Sched> status launch_backward(const backward_params& bp, const Sched& q_sched,
                                                               const Sched& k_sched, int64_t batch, stream_t stream) {
@@ -210,7 +210,8 @@ template <class E, int D, class Sched> status launch_backward(const backward_par
     const bool pairs_fit = bp.group * k_sched.tiles * k_sched.capacity < (int64_t(1) << 31);
     if (hopper && b.tma != 0 && bp.order != nullptr && bp.dk_f32 == nullptr && bp.dv_f32 == nullptr && pairs_fit) {
       int split_static = 0;
-      st = runtime_status(kernel_static_smem(split_dkdv<E, D, Sched>, &split_static), "querying a kernel's shared memory");
+      st = runtime_status(kernel_static_smem(split_dkdv<E, D, Sched>, &split_static),
+                          "querying a kernel's shared memory");
       if (!st) return st;
       split = split_static > 0;
       if (split) st = prepare(split_dkdv<E, D, Sched>, hopper::dkdv_plan<D>::bytes);

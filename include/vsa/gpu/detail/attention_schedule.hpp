@@ -144,7 +144,8 @@ struct joint_schedule : sparse_schedule {
     const uint64_t heads = gridDim.y, x = static_cast<uint64_t>(tiles - video);
     const uint64_t linear = blockIdx.x + uint64_t(gridDim.x) * (blockIdx.y + heads * blockIdx.z);
     const uint64_t extras = x * heads * gridDim.z;
-    const uint64_t per = linear < extras ? x : static_cast<uint64_t>(video), at = linear < extras ? linear : linear - extras;
+    const uint64_t per = linear < extras ? x : static_cast<uint64_t>(video),
+                   at = linear < extras ? linear : linear - extras;
     const uint64_t rest = at / per;
     i = static_cast<int64_t>(at - rest * per) + (linear < extras ? video : 0);
     h = static_cast<int64_t>(rest % heads);

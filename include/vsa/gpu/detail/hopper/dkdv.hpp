@@ -115,8 +115,7 @@ __device__ __forceinline__ void produce_pairs(dkdv_pairs<Sched>& it, const backw
     if (round > 0) tma::wait(&empty[buf], static_cast<uint32_t>((round - 1) & 1));
     const int64_t h = hk * p.group + it.g, i = s.at(it.pos), first = s.token0(i);
     const int64_t row = (b * p.q_heads + h) * rows_total + first;
-    if (lane == 0)
-      tma::tile_pair{&full[buf], 0u}.load<D>(ring.q(buf), &p.q_map, ring.d_o(buf), &p.do_map, first, h, b);
+    if (lane == 0) tma::tile_pair{&full[buf], 0u}.load<D>(ring.q(buf), &p.q_map, ring.d_o(buf), &p.do_map, first, h, b);
     // Every row of a video tile is a row of lse and delta, padding included; an extra tokens' tile has its valid ones.
     const int qv = counter.valid(i);
     const bool live0 = i >= 0 && (s.padding_stored(i) || lane < qv),

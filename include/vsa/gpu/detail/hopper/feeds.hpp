@@ -67,8 +67,8 @@ template <int Bars, class Params> struct head_engine_feed {
 };
 
 // K and V of the key tile whose first token is row `first` (a schedule's token0: 64·tile for the video alone), of kv
-// head `head`, batch `batch`, through the maps p.k_map and p.v_map. A loop of one stage waits through k_stage0() and v_stage0(); the overlapped forward (forward_overlap.hpp)
-// has two stages and keeps the barriers' phases itself.
+// head `head`, batch `batch`, through the maps p.k_map and p.v_map. A loop of one stage waits through k_stage0() and
+// v_stage0(); the overlapped forward (forward_overlap.hpp) has two stages and keeps the barriers' phases itself.
 template <int D, int Bars, class Params> struct kv_engine_feed : head_engine_feed<Bars, Params> {
   using base = head_engine_feed<Bars, Params>;
   using base::base;
