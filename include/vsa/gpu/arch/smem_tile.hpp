@@ -91,9 +91,13 @@ inline constexpr int forward_min_blocks(bool hopper, bool few_blocks) {
 inline constexpr int backward_min_blocks(int asked, int table_blocks = 0) {
   return tuning::of(false).min_blocks_bound ? asked : table_blocks;
 }
-// The dq kernel's, with the table's dq_blocks at head dim d: waves an execution unit to HIP, as in the forward.
+// The dq and dk/dv kernels', with the table's dq_blocks and dkdv_blocks at head dim d: waves an execution unit to
+// HIP, as in the forward.
 inline constexpr int dq_min_blocks(int asked, int d) {
   return backward_min_blocks(asked, tuning::of(hopper_code).dq_blocks(d));
+}
+inline constexpr int dkdv_min_blocks(int asked, int d) {
+  return backward_min_blocks(asked, tuning::of(hopper_code).dkdv_blocks(d));
 }
 
 // How the attention kernels use that budget for head dim D, by the tuning table of the code (`hopper`: Hopper
@@ -144,8 +148,10 @@ template <int D> struct smem_plan {
   }
   // Q and dO of the portable dk/dv through the copy engine (hopper/feeds.hpp).
   static constexpr bool dkdv_copy_engine(bool hopper) { return tuning::of(hopper).dkdv_copy_engine(D); }
+  // The statistics in shared memory where they fit beside the tiles of as many blocks as the table asks for.
   static constexpr bool dkdv_stats_in_smem(bool hopper) {
-    return (2 + 2 * dkdv_stages(hopper)) * tile + stats + smem_slack <= max_block_smem;
+    const int blocks = tuning::of(hopper).dkdv_blocks(D) > 1 ? tuning::of(hopper).dkdv_blocks(D) : 1;
+    return (2 + 2 * dkdv_stages(hopper)) * tile + stats + smem_slack <= max_block_smem / blocks;
   }
   // The dq kernel: Q, dO and its stages of K and V. It reads its rows' statistics from global memory into
   // registers, so it asks for no room for them.

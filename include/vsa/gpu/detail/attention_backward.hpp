@@ -245,7 +245,7 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), dq_min_blocks(M
 // end; each step's four products go as two pairs (nt_pair, nn_pair), one wait each. StoreDs: each pair's dS also
 // goes to its slot of p.ds for dq (attention_dq_stored.hpp).
 template <class E, int D, class Sched, int MinBlocks = 0, bool StoreDs = false>
-__global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), backward_min_blocks(MinBlocks))
+__global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), dkdv_min_blocks(MinBlocks, D))
     attention_dkdv_kernel(const VSA_GRID_CONSTANT backward_params p, Sched s) {
   using M = attention_mma<E, D>;
   constexpr int nthreads = 4 * M::threads;

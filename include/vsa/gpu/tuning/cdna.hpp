@@ -42,10 +42,12 @@ constexpr table cdna_table() {
   // registers: one block, no bound.
   t.dq_stages = 1;
   t.dq_blocks = {2, 0};
-  // dk/dv: two stages of Q and dO where they fit, the row statistics in LDS (D = 64: 49 KiB, one block). One stage
-  // with the statistics from global memory (32 KiB) and the bound of two blocks spilled VGPRs inside the loop of the
-  // sparse kernel at D = 64 (bf16 11 VGPRs, fp16 7-8; bench/NOTES-amd.md), so it keeps one block.
-  t.dkdv_stages = {2, 2};
+  // dk/dv: at D = 64 one stage of Q and dO, the row statistics read from global memory, 32 KiB a block, and the bound
+  // of two blocks (196 registers without it, under the 256 of two waves). The same plan had spilled VGPRs inside the
+  // loop (bf16 11, fp16 7-8) while the kernel took 292-300 registers, before the operand addresses were taken once a
+  // step (bench/NOTES-amd.md). At D = 128 two stages where they fit, the statistics in LDS: one block.
+  t.dkdv_stages = {1, 2};
+  t.dkdv_blocks = {2, 0};
   t.dkdv_copy_engine = {false, false};
   // dq recomputes dS: the MFMA backend has no stored form of a score tile yet (stores_score_frags).
   t.dq_from_stored_ds = {false, false};

@@ -47,8 +47,9 @@ struct table {
   per_dim<bool> dq_from_stored_ds;
   // The backward kernels' MinBlocks (a probe's) becomes their second launch bound (backward_min_blocks).
   bool min_blocks_bound;
-  // Where it does not: the dq kernel's second launch bound, blocks a multiprocessor (0: no bound).
-  per_dim<int> dq_blocks;
+  // Where it does not: the dq and the portable dk/dv kernels' second launch bounds, blocks a multiprocessor (0: no
+  // bound). dk/dv's row statistics go to shared memory only where they leave room for dkdv_blocks blocks.
+  per_dim<int> dq_blocks, dkdv_blocks;
   // ---- linear attention (detail/linear/) ----
   // Stages of an asynchronous copy into shared memory (the same in both tables of a platform), and
   // state_kernel's (K, V) stages where they fit (otherwise copy_stages).
