@@ -11,14 +11,17 @@
 // walk them exactly as the video's own lists: an extra key tile is an always-selected block with its own valid count,
 // an extra query tile a dense row of blocks. E = 0 runs the video-only pass, bit for bit.
 //
-// Hopper's copy engine and its warp-specialized dk/dv take the joint schedule as the video's. Not yet: dq from stored
-// dS (NVIDIA before Hopper, where the video-only backward takes it: the joint backward recomputes dS there), and a
-// split of an extra query tile's long walk, whose L2 traffic costs the forward ~10% on Hopper (bench/NOTES.md, v26).
+// The forward runs an extra query tile's walk over every tile in pieces as long as a video tile's, each a block among
+// its head's, and merges the pieces' rows (joint_merge_kernel; joint_schedule says why). Hopper's copy engine and its
+// warp-specialized dk/dv take the joint schedule as the video's. Not yet: dq from stored dS (NVIDIA before Hopper,
+// where the video-only backward takes it: the joint backward recomputes dS there), and the same split of dq's walks.
 #pragma once
 
 #include "detail/attention_glue.hpp"
 #include "index.hpp"
 #include "sparse_attention.hpp"
+
+#include <algorithm>
 
 namespace vsa {
 namespace gpu {
@@ -54,6 +57,65 @@ template <int Threads = 128> __global__ void __launch_bounds__(Threads) joint_li
     const int64_t first = t < p.video ? p.video : 0, appended = p.tiles - first;
     for (int64_t e = threadIdx.x; e < appended; e += Threads) out[own + e] = static_cast<int32_t>(first + e);
     if (threadIdx.x == 0) p.count[row] = static_cast<int32_t>(own + appended);
+  }
+}
+
+struct joint_merge_params {
+  const float* part_o;   // joint_schedule's: [B·Hq, X, pieces, 64, D]
+  const float* part_lse; // [B·Hq, X, pieces, 64]
+  operand o;
+  float* lse;         // [B·Hq, rows]
+  int8_t* o_residual; // [B·Hq, rows, D] or null (forward_params')
+  int64_t q_heads, rows, extra_first, extra, pieces;
+  int extra_last;
+  int64_t items; // B·Hq · X · 64 · D/8
+};
+
+// The rows of the extra query tiles from their pieces: lse = log Σ exp(lse_p), o = Σ exp(lse_p − lse) o_p, each thread
+// eight columns of a row, the pieces summed in order (bitwise reproducible). Writes o, lse and o's rounding residual
+// where the forward's epilogue would have.
+template <class E, int D, int Threads = 256>
+__global__ void __launch_bounds__(Threads) joint_merge_kernel(const VSA_GRID_CONSTANT joint_merge_params p) {
+  constexpr int chunks = D / 8;
+  for (int64_t e = blockIdx.x * int64_t(Threads) + threadIdx.x; e < p.items; e += int64_t(gridDim.x) * Threads) {
+    const int chunk = static_cast<int>(e % chunks), row = static_cast<int>((e / chunks) % tile_rows);
+    const int64_t x = (e / chunks / tile_rows) % p.extra, bh = e / chunks / tile_rows / p.extra;
+    if (row >= (x < p.extra - 1 ? tile_rows : p.extra_last)) continue;
+    const int64_t first = (bh * p.extra + x) * p.pieces;
+    float top = -__builtin_huge_valf();
+    for (int64_t k = 0; k < p.pieces; ++k) top = fmaxf(top, p.part_lse[(first + k) * tile_rows + row]);
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, sum = 0.f;
+    if (top > -__builtin_huge_valf()) {
+      for (int64_t k = 0; k < p.pieces; ++k) {
+        const float w = __expf(p.part_lse[(first + k) * tile_rows + row] - top);
+        const float4* part = reinterpret_cast<const float4*>(p.part_o + ((first + k) * tile_rows + row) * D + chunk * 8);
+        const float4 a = part[0], b = part[1];
+        sum += w;
+        acc[0] += w * a.x, acc[1] += w * a.y, acc[2] += w * a.z, acc[3] += w * a.w;
+        acc[4] += w * b.x, acc[5] += w * b.y, acc[6] += w * b.z, acc[7] += w * b.w;
+      }
+    }
+    const bool live = sum > 0.f;
+    const float inv = live ? 1.f / sum : 0.f;
+    const int64_t token = p.extra_first + x * tile_rows + row, b = bh / p.q_heads, h = bh % p.q_heads;
+    uint32_t packed[4];
+    uint8_t residual[8];
+#pragma unroll
+    for (int c = 0; c < 8; c += 2) {
+      const float x0 = acc[c] * inv, x1 = acc[c + 1] * inv;
+      packed[c / 2] = E::pack(x0, x1);
+      residual[c] = static_cast<uint8_t>(
+          residual_encode(x0, E::to_float(static_cast<uint16_t>(packed[c / 2] & 0xffffu)), E::type));
+      residual[c + 1] =
+          static_cast<uint8_t>(residual_encode(x1, E::to_float(static_cast<uint16_t>(packed[c / 2] >> 16)), E::type));
+    }
+    *reinterpret_cast<uint4*>(p.o.at(b, h, token) + chunk * 8) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    if (chunk == 0) p.lse[bh * p.rows + token] = live ? top + __logf(sum) : __builtin_huge_valf();
+    if (p.o_residual != nullptr) {
+      uint2 r;
+      __builtin_memcpy(&r, residual, sizeof(r));
+      *reinterpret_cast<uint2*>(p.o_residual + (bh * p.rows + token) * D + chunk * 8) = r;
+    }
   }
 }
 
@@ -94,6 +156,23 @@ struct joint_tiles {
   joint_tiles(const problem& p, const extra_tokens& e)
       : video(tile_geometry(p.grid).num_tiles()), extra((e.count + gpu::tile_rows - 1) / gpu::tile_rows),
         all(video + extra), tokens(tile_geometry(p.grid).tiled_tokens() + e.count) {}
+};
+
+// The forward's pieces of an extra query tile's walk over all T tiles (joint_schedule): about 64 entries each, the
+// length of a video tile's walk at 90% sparsity and k ≈ 64, and at least two where T allows, so that small grids run
+// the merge too. They depend on the tiles alone, so that the forward's workspace does not depend on the lists.
+struct joint_pieces {
+  int64_t split, pieces;
+  explicit joint_pieces(const joint_tiles& t) {
+    const int64_t want = std::max<int64_t>(2, (t.all + 63) / 64);
+    split = (t.all + want - 1) / want;
+    pieces = (t.all + split - 1) / split;
+  }
+  // Bytes of the pieces' rows: o (fp32, D a row), then lse.
+  static std::size_t bytes(const problem& p, const joint_tiles& t) {
+    return sizeof(float) * static_cast<std::size_t>(p.batch * p.q_heads * t.extra * joint_pieces(t).pieces *
+                                                    gpu::tile_rows * (p.head_dim + 1));
+  }
 };
 
 // The joint lists' rows of T = N + X entries, counted and offset by int32 as build_k2q's (E ≥ 1).
@@ -146,23 +225,26 @@ inline gpu::detail::joint_schedule joint_schedule_of(const problem& p, const ext
 }
 
 // The workspace of the joint pass (E ≥ 1), each piece aligned to workspace_alignment. The forward: the q2k lists and
-// counts over T tiles. The backward adds their k2q lists and offsets, build_k2q's scratch, and its own scratch
+// counts over T tiles, and the rows of its pieces (joint_pieces). The backward, instead of the pieces, adds their k2q lists and offsets, build_k2q's scratch, and its own scratch
 // (joint_backward_scratch).
 struct joint_workspace {
-  std::size_t lists, counts, k2q = 0, offsets = 0, k2q_scratch = 0, scratch = 0;
+  std::size_t lists, counts, parts = 0, k2q = 0, offsets = 0, k2q_scratch = 0, scratch = 0;
   gpu::detail::k2q_layout layout{};
   joint_workspace(const problem& p, const joint_tiles& t, bool backward) {
     const std::size_t heads = static_cast<std::size_t>(p.batch * p.q_heads), all = static_cast<std::size_t>(t.all);
     lists = align_up(sizeof(int32_t) * heads * all * all);
     counts = align_up(sizeof(int32_t) * heads * all);
-    if (!backward) return;
+    if (!backward) {
+      parts = align_up(joint_pieces::bytes(p, t));
+      return;
+    }
     k2q = lists;
     offsets = align_up(sizeof(int32_t) * heads * (all + 1));
     layout.init(t.all, p.batch * p.q_heads);
     k2q_scratch = layout.total();
     scratch = joint_backward_scratch(p, t).bytes();
   }
-  std::size_t bytes() const { return lists + counts + k2q + offsets + k2q_scratch + scratch; }
+  std::size_t bytes() const { return lists + counts + parts + k2q + offsets + k2q_scratch + scratch; }
 };
 
 // The workspace of the backward without extra tokens, which runs the video-only pass: the k2q lists of the caller's
@@ -201,10 +283,34 @@ inline status launch_joint_lists(const problem& p, const joint_tiles& t, const c
                      stream, false, jp);
 }
 
+// The joint forward on schedule s: the sparse pass, each extra query tile's walk in pieces whose rows go to `parts`
+// (joint_pieces::bytes of them), then their merge into o, lse and o's residual. A template as the entry points below.
+template <class = void>
+status run_joint_forward(const problem& p, const extra_tokens& extra, const gpu::detail::forward_params& fp,
+                         gpu::detail::joint_schedule s, float* parts, gpu::stream_t stream) {
+  const joint_tiles t(p, extra);
+  const joint_pieces pieces(t);
+  s.split = pieces.split;
+  s.pieces = pieces.pieces;
+  s.part_o = parts;
+  s.part_lse = parts + p.batch * p.q_heads * t.extra * pieces.pieces * gpu::tile_rows * p.head_dim;
+  status st = run_forward(p, fp, s, stream);
+  if (!st) return st;
+  const gpu::detail::joint_merge_params mp{
+      s.part_o, s.part_lse, fp.o, fp.lse, fp.o_residual, p.q_heads, s.rows, s.extra_first, t.extra, s.pieces,
+      s.extra_last, p.batch * p.q_heads * t.extra * gpu::tile_rows * (p.head_dim / 8)};
+  return gpu::detail::dispatch(p.type, p.head_dim, [&](auto cfg) {
+    using C = decltype(cfg);
+    return gpu::launch("joint merge", gpu::detail::joint_merge_kernel<typename C::element, C::head_dim>,
+                       gpu::detail::grid_blocks((mp.items + 255) / 256), 256, 0, stream, false, mp);
+  });
+}
+
 } // namespace detail
 
 // Workspace of joint_sparse_attention_forward: none for E = 0, else the joint lists, 4·(N + X)² bytes a query head
-// (1.6 MB on wan2.1-1.3b-480p with 256 extra tokens).
+// (1.6 MB on wan2.1-1.3b-480p with 256 extra tokens), and the rows of the extra query tiles' pieces, 4·X·pieces·64·(D + 1)
+// bytes a query head (1.3 MB there).
 inline std::size_t joint_sparse_attention_forward_workspace(const problem& p, extra_tokens extra) {
   if (extra.count <= 0) return 0;
   return detail::joint_workspace(p, detail::joint_tiles(p, extra), false).bytes();
@@ -231,11 +337,13 @@ status joint_sparse_attention_forward(const problem& p, extra_tokens extra, floa
   if (s) s = check_joint_forward_disjoint(p, q, k, v, idx, o_s, lse, extra, workspace, w.bytes());
   if (!s) return s;
 
-  int32_t* list = static_cast<int32_t*>(workspace);
-  int32_t* count = reinterpret_cast<int32_t*>(static_cast<unsigned char*>(workspace) + w.lists);
+  unsigned char* const at = static_cast<unsigned char*>(workspace);
+  int32_t* list = reinterpret_cast<int32_t*>(at);
+  int32_t* count = reinterpret_cast<int32_t*>(at + w.lists);
   if (!(s = detail::launch_joint_lists(p, t, idx, list, count, stream))) return s;
   const gpu::detail::forward_params fp = detail::sparse_forward_params(p, scale, q, k, v, o_s, lse);
-  return detail::run_forward(p, fp, detail::joint_schedule_of(p, extra, list, count, nullptr), stream);
+  return detail::run_joint_forward(p, extra, fp, detail::joint_schedule_of(p, extra, list, count, nullptr),
+                                   reinterpret_cast<float*>(at + w.lists + w.counts), stream);
 }
 
 // Workspace of joint_sparse_attention_backward: for E ≥ 1 the joint lists both ways, build_k2q's scratch and the

@@ -40,7 +40,7 @@ struct op_workspace {
   // the video alone; with extra tokens, the joint lists (joint_attention.hpp) in the state, before k2q.
   extra_tokens extra{};
   int64_t tiles = 0, rows = 0;
-  std::size_t joint_q2k = 0, joint_count = 0;
+  std::size_t joint_q2k = 0, joint_count = 0, joint_parts = 0; // joint_parts: forward scratch
   // state
   std::size_t q_c = 0, k_c = 0, v_c = 0, q_c32 = 0, k_c32 = 0, o_c = 0, lse_c = 0, q2k = 0, q2k_count = 0, k2q = 0,
               k2q_offset = 0, lse = 0, o_residual = 0, o_c_residual = 0, state_bytes = 0;
@@ -108,8 +108,10 @@ inline status plan_op(const problem& p, const extra_tokens& extra, const options
   w.lse = take(bh * rows * sizeof(float));
   w.o_residual = take(bh * rows * d * sizeof(int8_t));
   w.state_bytes = off;
-  // Scratch of the forward: the N×N scores and the selection's and index builder's own workspaces.
+  // Scratch of the forward: the joint pass's pieces (joint_pieces), the N×N scores and the selection's and index
+  // builder's own workspaces.
   off = 0;
+  if (joint) w.joint_parts = take(joint_pieces::bytes(p, jt));
   index_lists probe{};
   probe.q2k_capacity = w.capacity;
   std::size_t select_bytes = 0, index_bytes = 0;
@@ -282,7 +284,8 @@ template <bool Joint = false> status forward_planned(const problem& p, const opt
   fp.o_c = w.coarse ? w.at<const uint16_t>(state, w.o_c) : nullptr;
   fp.gate = gpu::detail::make_operand(io.gate);
   if constexpr (Joint) {
-    return detail::run_forward(p, fp, joint_schedule_of(p, w.extra, joint.q2k, joint.q2k_count, nullptr), stream);
+    return run_joint_forward(p, w.extra, fp, joint_schedule_of(p, w.extra, joint.q2k, joint.q2k_count, nullptr),
+                             w.at<float>(scratch, w.joint_parts), stream);
   } else {
     return detail::run_forward(p, fp, detail::q2k_schedule(p, as_const(idx)), stream);
   }

@@ -70,7 +70,7 @@ status launch_forward(const forward_params& fp, const Sched& s, int64_t batch, i
   const int smem = smem_plan<D>::forward_bytes(hopper, Sched::few_blocks);
   st = prepare(kernel, smem);
   if (!st) return st;
-  const dim3 grid(static_cast<unsigned>(s.tiles), static_cast<unsigned>(heads), static_cast<unsigned>(batch));
+  const dim3 grid(static_cast<unsigned>(s.query_grid()), static_cast<unsigned>(heads), static_cast<unsigned>(batch));
   forward_params f = fp;
   f.tma = 0;
   if (smem_plan<D>::forward_copy_engine(hopper, Sched::few_blocks)) { // Hopper's sparse pass, not the coarse one

@@ -72,6 +72,8 @@ struct sparse_schedule {
   __device__ __forceinline__ static void query_block(int64_t& i, int64_t& h, int64_t& b) {
     i = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   }
+  // The forward's blocks a head (the grid's x): a block a query tile.
+  __host__ __device__ __forceinline__ int64_t query_grid() const { return tiles; }
   // The tiles of the video grid, which have coarse rows (o_c) and folds and raster positions: every tile here.
   __device__ __forceinline__ static constexpr bool video_tile(int64_t) { return true; }
   __host__ __device__ __forceinline__ int64_t video_tiles() const { return tiles; }
@@ -136,11 +138,30 @@ struct joint_schedule : sparse_schedule {
   }
   __device__ __forceinline__ bool padding_stored(int64_t t) const { return t < video; }
   __device__ __forceinline__ bool video_tile(int64_t t) const { return t < video; }
-  // The extra query tiles walk every tile, N/k times a video tile's steps (10x at 90% sparsity): launched in grid
-  // order, each head's came in its last blocks and ran on alone after the rest (the sm_80 build's forward on wan2.1
-  // with E = 256: 1.34x the video-only one's time for 1.13x its block pairs). So the blocks of the grid (tiles,
-  // heads, batch) take the extra query tiles of every head and batch first, then the video tiles in grid order.
+  // The forward splits each extra query tile's walk (every tile) into `pieces` walks of at most `split` entries, each a
+  // block of its own, which writes its rows' o (normalized by its own row sums) and log-sum-exp to part_o and part_lse;
+  // joint_merge_kernel (joint_attention.hpp) sums them. Whole, the walks were N/k times a video tile's steps (10x at
+  // 90% sparsity): launched after their head's video tiles they ran on alone at the end of the kernel (the sm_80
+  // build on wan2.1 with E = 256: 1.34x the video-only time for 1.13x its block pairs); launched before every head's
+  // video tiles, they swept every head's K and V through the L2 at once (Hopper: 10% over the pass's floor; DRAM
+  // reads 0.67 → 1.39 GB; bench/NOTES.md, v26). A piece is as long as a video tile's walk and runs among its own
+  // head's blocks. split = 0 (dq): whole walks, the extra tiles of every head and batch first.
+  int64_t split = 0, pieces = 1;
+  float* part_o = nullptr;   // [B·Hq, X, pieces, 64, D]
+  float* part_lse = nullptr; // [B·Hq, X, pieces, 64], natural log; −inf where a row's piece saw nothing
+  __host__ __device__ __forceinline__ int64_t extra_tiles() const { return tiles - video; }
+  __host__ __device__ __forceinline__ int64_t query_grid() const {
+    return split > 0 ? video + extra_tiles() * pieces : tiles;
+  }
+  // With split: the grid (X·pieces + N, heads, batch), each head's pieces before its video tiles. Without: the grid
+  // (tiles, heads, batch), the extra query tiles of every head and batch first, then the video tiles in grid order.
   __device__ __forceinline__ void query_block(int64_t& i, int64_t& h, int64_t& b) const {
+    if (split > 0) {
+      const int64_t x = static_cast<int64_t>(blockIdx.x), first = extra_tiles() * pieces;
+      i = x < first ? video + x / pieces : x - first;
+      h = blockIdx.y, b = blockIdx.z;
+      return;
+    }
     const uint64_t heads = gridDim.y, x = static_cast<uint64_t>(tiles - video);
     const uint64_t linear = blockIdx.x + uint64_t(gridDim.x) * (blockIdx.y + heads * blockIdx.z);
     const uint64_t extras = x * heads * gridDim.z;
@@ -150,6 +171,21 @@ struct joint_schedule : sparse_schedule {
     i = static_cast<int64_t>(at - rest * per) + (linear < extras ? video : 0);
     h = static_cast<int64_t>(rest % heads);
     b = static_cast<int64_t>(rest / heads);
+  }
+  // Whether this block runs a piece of query tile i's walk, and which.
+  __device__ __forceinline__ bool piece_of(int64_t i, int64_t& piece) const {
+    if (split <= 0 || i < video) return false;
+    piece = static_cast<int64_t>(blockIdx.x) % pieces;
+    return true;
+  }
+  // The range of (head bh, tile i)'s list entries, of this block's piece where it runs one.
+  __device__ __forceinline__ void range(int64_t bh, int64_t i, int64_t& begin, int64_t& end) const {
+    sparse_schedule::range(bh, i, begin, end);
+    int64_t piece;
+    if (piece_of(i, piece)) {
+      begin = begin + piece * split < end ? begin + piece * split : end;
+      end = begin + split < end ? begin + split : end;
+    }
   }
   __host__ __device__ __forceinline__ int64_t video_tiles() const { return video; }
   __device__ __forceinline__ int valid(int64_t t) const {
@@ -255,6 +291,7 @@ struct dense_schedule {
   __device__ __forceinline__ static void query_block(int64_t& i, int64_t& h, int64_t& b) {
     i = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   }
+  __host__ __device__ __forceinline__ int64_t query_grid() const { return tiles; }
   __device__ __forceinline__ int valid(int64_t tile) const {
     const int64_t rest = length - tile * 64;
     return rest < 64 ? static_cast<int>(rest) : 64;
