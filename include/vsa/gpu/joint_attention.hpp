@@ -60,6 +60,12 @@ template <int Threads = 128> __global__ void __launch_bounds__(Threads) joint_li
   }
 }
 
+// The joint schedule's table of each tile's first row and valid count (joint_schedule::table).
+template <int Threads = 256> __global__ void __launch_bounds__(Threads) joint_table_kernel(joint_schedule s, int2* table) {
+  for (int64_t t = blockIdx.x * int64_t(Threads) + threadIdx.x; t < s.tiles; t += int64_t(gridDim.x) * Threads)
+    table[t] = make_int2(static_cast<int>(s.row_of(t)), s.count_of(t));
+}
+
 struct joint_merge_params {
   const float* part_o;   // joint_schedule's: [B·Hq, X, pieces, 64, D]
   const float* part_lse; // [B·Hq, X, pieces, 64]
@@ -214,26 +220,30 @@ inline status prepare_joint_backward(const problem& p, const joint_tiles& t, con
   return gpu::detail::launch_order(op, stream);
 }
 
-// Its schedule over lists of T = N + X entries a row: q2k (counts) for the forward and dq, k2q (offsets) for dk/dv.
+// Its schedule over lists of T = N + X entries a row: q2k (counts) for the forward and dq, k2q (offsets) for dk/dv;
+// `table` is where launch_joint_lists wrote the tile table.
 inline gpu::detail::joint_schedule joint_schedule_of(const problem& p, const extra_tokens& e, const int32_t* list,
-                                                     const int32_t* count, const int32_t* offset) {
+                                                     const int32_t* count, const int32_t* offset, const int2* table) {
   const joint_tiles t(p, e);
   const tile_geometry geo(p.grid);
-  return {
+  gpu::detail::joint_schedule s{
       {geo, list, count, offset, t.all, t.all}, t.video,  e.video_start(),
       e.extra_start(geo.tiled_tokens()),        t.tokens, static_cast<int>(e.count - (t.extra - 1) * gpu::tile_rows)};
+  s.table = table;
+  return s;
 }
 
 // The workspace of the joint pass (E ≥ 1), each piece aligned to workspace_alignment. The forward: the q2k lists and
-// counts over T tiles, and the rows of its pieces (joint_pieces). The backward, instead of the pieces, adds their k2q lists and offsets, build_k2q's scratch, and its own scratch
+// counts over T tiles, the schedule's tile table, and the rows of its pieces (joint_pieces). The backward, instead of the pieces, adds their k2q lists and offsets, build_k2q's scratch, and its own scratch
 // (joint_backward_scratch).
 struct joint_workspace {
-  std::size_t lists, counts, parts = 0, k2q = 0, offsets = 0, k2q_scratch = 0, scratch = 0;
+  std::size_t lists, counts, table, parts = 0, k2q = 0, offsets = 0, k2q_scratch = 0, scratch = 0;
   gpu::detail::k2q_layout layout{};
   joint_workspace(const problem& p, const joint_tiles& t, bool backward) {
     const std::size_t heads = static_cast<std::size_t>(p.batch * p.q_heads), all = static_cast<std::size_t>(t.all);
     lists = align_up(sizeof(int32_t) * heads * all * all);
     counts = align_up(sizeof(int32_t) * heads * all);
+    table = align_up(sizeof(int32_t) * 2 * all);
     if (!backward) {
       parts = align_up(joint_pieces::bytes(p, t));
       return;
@@ -244,7 +254,7 @@ struct joint_workspace {
     k2q_scratch = layout.total();
     scratch = joint_backward_scratch(p, t).bytes();
   }
-  std::size_t bytes() const { return lists + counts + parts + k2q + offsets + k2q_scratch + scratch; }
+  std::size_t bytes() const { return lists + counts + table + parts + k2q + offsets + k2q_scratch + scratch; }
 };
 
 // The workspace of the backward without extra tokens, which runs the video-only pass: the k2q lists of the caller's
@@ -274,13 +284,18 @@ inline status check_joint_common(const problem& p, const extra_tokens& extra, fl
   return s;
 }
 
-// Writes the joint q2k lists into the workspace's first two pieces.
-inline status launch_joint_lists(const problem& p, const joint_tiles& t, const const_index_lists& idx, int32_t* list,
-                                 int32_t* count, gpu::stream_t stream) {
+// Writes the joint q2k lists and the schedule's tile table (joint_schedule::table).
+inline status launch_joint_lists(const problem& p, const extra_tokens& extra, const const_index_lists& idx,
+                                 int32_t* list, int32_t* count, int2* table, gpu::stream_t stream) {
+  const joint_tiles t(p, extra);
   gpu::detail::joint_lists_params jp{idx.q2k, idx.q2k_count, idx.q2k_capacity,           list, count,
                                      t.video, t.all,         p.batch * p.q_heads * t.all};
-  return gpu::launch("joint lists", gpu::detail::joint_lists_kernel<>, gpu::detail::grid_blocks(jp.rows), 128, 0,
-                     stream, false, jp);
+  status s = gpu::launch("joint lists", gpu::detail::joint_lists_kernel<>, gpu::detail::grid_blocks(jp.rows), 128, 0,
+                         stream, false, jp);
+  if (!s) return s;
+  return gpu::launch("joint lists (tiles)", gpu::detail::joint_table_kernel<>,
+                     gpu::detail::grid_blocks((t.all + 255) / 256), 256, 0, stream, false,
+                     joint_schedule_of(p, extra, nullptr, nullptr, nullptr, nullptr), table);
 }
 
 // The joint forward on schedule s: the sparse pass, each extra query tile's walk in pieces whose rows go to `parts`
@@ -340,10 +355,11 @@ status joint_sparse_attention_forward(const problem& p, extra_tokens extra, floa
   unsigned char* const at = static_cast<unsigned char*>(workspace);
   int32_t* list = reinterpret_cast<int32_t*>(at);
   int32_t* count = reinterpret_cast<int32_t*>(at + w.lists);
-  if (!(s = detail::launch_joint_lists(p, t, idx, list, count, stream))) return s;
+  int2* table = reinterpret_cast<int2*>(at + w.lists + w.counts);
+  if (!(s = detail::launch_joint_lists(p, extra, idx, list, count, table, stream))) return s;
   const gpu::detail::forward_params fp = detail::sparse_forward_params(p, scale, q, k, v, o_s, lse);
-  return detail::run_joint_forward(p, extra, fp, detail::joint_schedule_of(p, extra, list, count, nullptr),
-                                   reinterpret_cast<float*>(at + w.lists + w.counts), stream);
+  return detail::run_joint_forward(p, extra, fp, detail::joint_schedule_of(p, extra, list, count, nullptr, table),
+                                   reinterpret_cast<float*>(at + w.lists + w.counts + w.table), stream);
 }
 
 // Workspace of joint_sparse_attention_backward: for E ≥ 1 the joint lists both ways, build_k2q's scratch and the
@@ -402,15 +418,16 @@ status joint_sparse_attention_backward(const problem& p, extra_tokens extra, flo
   lists.q2k = reinterpret_cast<int32_t*>(at);
   lists.q2k_count = reinterpret_cast<int32_t*>(at += w.lists);
   lists.q2k_capacity = t.all;
-  lists.k2q = reinterpret_cast<int32_t*>(at += w.counts);
+  int2* const table = reinterpret_cast<int2*>(at += w.counts);
+  lists.k2q = reinterpret_cast<int32_t*>(at += w.table);
   lists.k2q_offset = reinterpret_cast<int32_t*>(at += w.k2q);
   void* k2q_scratch = (at += w.offsets);
   void* backward_scratch = (at += w.k2q_scratch);
-  if (!(s = detail::launch_joint_lists(p, t, idx, lists.q2k, lists.q2k_count, stream))) return s;
+  if (!(s = detail::launch_joint_lists(p, extra, idx, lists.q2k, lists.q2k_count, table, stream))) return s;
   if (!(s = gpu::detail::launch_k2q(t.all, w.layout, lists, k2q_scratch, stream))) return s;
 
-  const auto qs = detail::joint_schedule_of(p, extra, lists.q2k, lists.q2k_count, nullptr);
-  const auto ks = detail::joint_schedule_of(p, extra, lists.k2q, nullptr, lists.k2q_offset);
+  const auto qs = detail::joint_schedule_of(p, extra, lists.q2k, lists.q2k_count, nullptr, table);
+  const auto ks = detail::joint_schedule_of(p, extra, lists.k2q, nullptr, lists.k2q_offset, table);
   gpu::detail::backward_params bp = detail::sparse_backward_params(p, scale, q, k, v, d_o, dq, dk, dv, lse);
   gpu::detail::delta_params dp =
       detail::delta_base(p, gpu::detail::make_operand(o_s), gpu::detail::make_operand(d_o), qs);

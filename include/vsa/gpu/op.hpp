@@ -40,7 +40,7 @@ struct op_workspace {
   // the video alone; with extra tokens, the joint lists (joint_attention.hpp) in the state, before k2q.
   extra_tokens extra{};
   int64_t tiles = 0, rows = 0;
-  std::size_t joint_q2k = 0, joint_count = 0, joint_parts = 0; // joint_parts: forward scratch
+  std::size_t joint_q2k = 0, joint_count = 0, joint_table = 0, joint_parts = 0; // joint_parts: forward scratch
   // state
   std::size_t q_c = 0, k_c = 0, v_c = 0, q_c32 = 0, k_c32 = 0, o_c = 0, lse_c = 0, q2k = 0, q2k_count = 0, k2q = 0,
               k2q_offset = 0, lse = 0, o_residual = 0, o_c_residual = 0, state_bytes = 0;
@@ -102,6 +102,7 @@ inline status plan_op(const problem& p, const extra_tokens& extra, const options
   if (joint) {
     w.joint_q2k = take(bh * t * t * sizeof(int32_t));
     w.joint_count = take(bh * t * sizeof(int32_t));
+    w.joint_table = take(t * 2 * sizeof(int32_t));
   }
   w.k2q = take(bh * t * (joint ? t : w.capacity) * sizeof(int32_t));
   w.k2q_offset = take(bh * (t + 1) * sizeof(int32_t));
@@ -263,10 +264,10 @@ template <bool Joint = false> status forward_planned(const problem& p, const opt
   }
   std::size_t index_bytes = w.forward_scratch_bytes - w.index_scratch;
   index_lists joint{}; // the joint lists: the video's with the extra tiles (joint_attention.hpp)
+  int2* const table = w.at<int2>(state, w.joint_table);
   if constexpr (Joint) {
     joint = {w.at<int32_t>(state, w.joint_q2k), w.at<int32_t>(state, w.joint_count), w.tiles, idx.k2q, idx.k2q_offset};
-    const joint_tiles jt(p, w.extra);
-    if (s) s = launch_joint_lists(p, jt, as_const(idx), joint.q2k, joint.q2k_count, stream);
+    if (s) s = launch_joint_lists(p, w.extra, as_const(idx), joint.q2k, joint.q2k_count, table, stream);
     gpu::detail::k2q_layout layout{};
     layout.init(w.tiles, p.batch * p.q_heads);
     if (s) s = gpu::detail::launch_k2q(w.tiles, layout, joint, w.at(scratch, w.index_scratch), stream);
@@ -284,7 +285,8 @@ template <bool Joint = false> status forward_planned(const problem& p, const opt
   fp.o_c = w.coarse ? w.at<const uint16_t>(state, w.o_c) : nullptr;
   fp.gate = gpu::detail::make_operand(io.gate);
   if constexpr (Joint) {
-    return run_joint_forward(p, w.extra, fp, joint_schedule_of(p, w.extra, joint.q2k, joint.q2k_count, nullptr),
+    return run_joint_forward(p, w.extra, fp,
+                             joint_schedule_of(p, w.extra, joint.q2k, joint.q2k_count, nullptr, table),
                              w.at<float>(scratch, w.joint_parts), stream);
   } else {
     return detail::run_forward(p, fp, detail::q2k_schedule(p, as_const(idx)), stream);
@@ -417,8 +419,9 @@ template <bool Joint = false> status backward_planned(const problem& p, const op
   dp.o_residual = w.at<const int8_t>(state, w.o_residual);
   if constexpr (Joint) {
     const int32_t *list = w.at<const int32_t>(state, w.joint_q2k), *count = w.at<const int32_t>(state, w.joint_count);
-    const auto qs = joint_schedule_of(p, w.extra, list, count, nullptr);
-    const auto ks = joint_schedule_of(p, w.extra, idx.k2q, nullptr, idx.k2q_offset);
+    const int2* table = w.at<const int2>(state, w.joint_table);
+    const auto qs = joint_schedule_of(p, w.extra, list, count, nullptr, table);
+    const auto ks = joint_schedule_of(p, w.extra, idx.k2q, nullptr, idx.k2q_offset, table);
     s = prepare_joint_backward(p, joint_tiles(p, w.extra), idx.k2q_offset, w.at(scratch, w.sparse_scratch), bp, dp,
                                stream);
     return s ? detail::run_backward(p, dp, bp, qs, ks, stream) : s;

@@ -133,8 +133,18 @@ struct joint_schedule : sparse_schedule {
   int extra_last;      // valid rows of tile tiles − 1 (X ≥ 1)
 
   __host__ __device__ __forceinline__ int64_t rows_total() const { return rows; }
-  __device__ __forceinline__ int64_t token0(int64_t t) const {
+  // Each tile's first row and valid count, {row_of(t), count_of(t)}, from a table of T entries that
+  // joint_table_kernel writes with the lists (joint_attention.hpp), not from their arithmetic in the loops: the
+  // arithmetic kept the split, the offsets and the video's tile counter live in registers, and at the Hopper forward's
+  // 128 registers (four blocks an SM) ptxas spilled 100-170 bytes of the D = 128 loops, 2.5 GB of local loads a pass at
+  // wan2.1 (bench/NOTES.md, v27). Through the table: no spill, one L1-resident load a use.
+  const int2* table = nullptr;
+  __device__ __forceinline__ int64_t token0(int64_t t) const { return table[t].x; }
+  __host__ __device__ __forceinline__ int64_t row_of(int64_t t) const {
     return t < video ? video_first + t * 64 : extra_first + (t - video) * 64;
+  }
+  __device__ __forceinline__ int count_of(int64_t t) const {
+    return t < video ? geo.valid(t) : (t < tiles - 1 ? 64 : extra_last);
   }
   __device__ __forceinline__ bool padding_stored(int64_t t) const { return t < video; }
   __device__ __forceinline__ bool video_tile(int64_t t) const { return t < video; }
@@ -188,20 +198,12 @@ struct joint_schedule : sparse_schedule {
     }
   }
   __host__ __device__ __forceinline__ int64_t video_tiles() const { return video; }
-  __device__ __forceinline__ int valid(int64_t t) const {
-    return t < 0 ? 0 : t < video ? geo.valid(t) : (t < tiles - 1 ? 64 : extra_last);
-  }
+  __device__ __forceinline__ int valid(int64_t t) const { return t < 0 ? 0 : table[t].y; }
   struct fast_valid {
-    tile_valid_counter counter;
-    int64_t video, last;
-    int extra_last;
-    __device__ __forceinline__ int valid(int64_t t) const {
-      return t < 0 ? 0 : t < video ? counter.valid(t) : (t < last ? 64 : extra_last);
-    }
+    const int2* table;
+    __device__ __forceinline__ int valid(int64_t t) const { return t < 0 ? 0 : table[t].y; }
   };
-  __device__ __forceinline__ fast_valid valid_counter() const {
-    return {tile_valid_counter(geo), video, tiles - 1, extra_last};
-  }
+  __device__ __forceinline__ fast_valid valid_counter() const { return {table}; }
   bool narrow_pays() const { return has_narrow_tiles(geo) || step_rows(extra_last) < tile_rows; }
 };
 
