@@ -192,31 +192,53 @@ inline status check_joint_tiles(const problem& p, const extra_tokens& extra) {
   return status::ok();
 }
 
-// The joint backward's own scratch, each piece aligned to workspace_alignment: delta (one fp32 a row of S), the
-// order kernels' counts and the dk/dv launch order (one int a kv head's tile).
+// The most pairs of a query head in the joint lists of video lists of `capacity` entries a row: N rows of at most
+// capacity + X entries, X rows of T. The joint schedule's ds_pairs.
+inline int64_t joint_ds_pairs(const joint_tiles& t, int64_t capacity) {
+  return t.video * (capacity + t.extra) + t.extra * t.all;
+}
+
+// The joint backward's own scratch, each piece aligned to workspace_alignment: delta (one fp32 a row of S), the order
+// kernels' counts and the dk/dv launch order (one int a kv head's tile); with the video lists' capacity, dq's stored
+// dS where the device takes it, as the video-only backward's (sparse_backward_scratch): the map of the joint q2k
+// entries (T² a query head) and the slots of as many kv heads as `available` bytes hold (joint_ds_pairs a query head).
 struct joint_backward_scratch {
-  std::size_t delta, order_counts, order;
+  std::size_t delta, order_counts, order, map = 0, slots = 0;
+  int64_t units = 0;
   joint_backward_scratch(const problem& p, const joint_tiles& t)
       : delta(align_up(sizeof(float) * p.batch * p.q_heads * t.tokens)),
         order_counts(align_up(sizeof(int32_t) * 2 * gpu::detail::order_buckets * p.batch * p.kv_heads)),
         order(align_up(sizeof(int32_t) * p.batch * p.kv_heads * t.all)) {}
-  std::size_t bytes() const { return delta + order_counts + order; }
+  joint_backward_scratch(const problem& p, const joint_tiles& t, int64_t capacity, std::size_t available)
+      : joint_backward_scratch(p, t) {
+    if (capacity < 1 || capacity > t.video) return;
+    units = fit_ds_slots(p, joint_ds_pairs(t, capacity), t.all * t.all, bytes(), available, map, slots);
+  }
+  std::size_t bytes() const { return delta + order_counts + order + map + slots; }
+  // The size query's answer: every kv head's slots where they fit in stored_ds_budget, else as many as fit.
+  static std::size_t preferred(const problem& p, const joint_tiles& t, int64_t capacity) {
+    return joint_backward_scratch(p, t, capacity, joint_backward_scratch(p, t).bytes() + stored_ds_budget).bytes();
+  }
 };
 
-// Carves a joint_backward_scratch at `scratch`, points bp and dp at its delta and launches what fills the dk/dv
-// launch order from the joint k2q lists' offsets.
-inline status prepare_joint_backward(const problem& p, const joint_tiles& t, const int32_t* k2q_offset, void* scratch,
-                                     gpu::detail::backward_params& bp, gpu::detail::delta_params& dp,
-                                     gpu::stream_t stream) {
-  const joint_backward_scratch pieces(p, t);
+// Carves a joint_backward_scratch of `available` bytes at `scratch` (capacity: the video lists'), points bp and dp at
+// its delta and stored dS and launches what fills the dk/dv launch order from the joint k2q lists' offsets.
+inline status prepare_joint_backward(const problem& p, const joint_tiles& t, int64_t capacity, const int32_t* k2q_offset,
+                                     void* scratch, std::size_t available, gpu::detail::backward_params& bp,
+                                     gpu::detail::delta_params& dp, gpu::stream_t stream) {
+  const joint_backward_scratch pieces(p, t, capacity, available);
   unsigned char* at = static_cast<unsigned char*>(scratch);
   float* delta = reinterpret_cast<float*>(at);
   const gpu::detail::order_params op =
       order_params_of(p, t.all, k2q_offset, reinterpret_cast<int32_t*>(at + pieces.delta),
                       reinterpret_cast<int32_t*>(at + pieces.delta + pieces.order_counts));
+  at += pieces.delta + pieces.order_counts + pieces.order;
   dp.delta = delta;
   bp.delta = delta;
   bp.order = op.order;
+  bp.ds_map = pieces.units > 0 ? reinterpret_cast<int32_t*>(at) : nullptr;
+  bp.ds = pieces.units > 0 ? reinterpret_cast<uint16_t*>(at + pieces.map) : nullptr;
+  bp.ds_units = pieces.units;
   return gpu::detail::launch_order(op, stream);
 }
 
@@ -253,6 +275,10 @@ struct joint_workspace {
     layout.init(t.all, p.batch * p.q_heads);
     k2q_scratch = layout.total();
     scratch = joint_backward_scratch(p, t).bytes();
+  }
+  // The backward's with dq's stored dS for lists of `capacity` entries a row (joint_backward_scratch::preferred).
+  joint_workspace(const problem& p, const joint_tiles& t, int64_t capacity) : joint_workspace(p, t, true) {
+    scratch = joint_backward_scratch::preferred(p, t, capacity);
   }
   std::size_t bytes() const { return lists + counts + table + parts + k2q + offsets + k2q_scratch + scratch; }
 };
@@ -362,11 +388,19 @@ status joint_sparse_attention_forward(const problem& p, extra_tokens extra, floa
                                    reinterpret_cast<float*>(at + w.lists + w.counts + w.table), stream);
 }
 
-// Workspace of joint_sparse_attention_backward: for E ≥ 1 the joint lists both ways, build_k2q's scratch and the
-// backward's own (dq recomputes dS: seven products a pair); for E = 0 the k2q lists of the caller's, build_k2q's
-// scratch and the least of sparse_attention_backward.
+// Workspace of joint_sparse_attention_backward. For E ≥ 1 the joint lists both ways, build_k2q's scratch and the
+// backward's own: where the device's kernels take dq from stored dS (NVIDIA before Hopper), the slots of every head's
+// pairs where they fit in 8 GiB (0.36 GB a query head on wan2.1-1.3b-480p with E = 256), else of as many kv heads as
+// fit; the call takes any size from the least (joint_sparse_attention_backward_least_workspace: dq recomputes dS, seven
+// products a pair) up. For E = 0 the k2q lists of the caller's, build_k2q's scratch and the least of
+// sparse_attention_backward.
 inline std::size_t joint_sparse_attention_backward_workspace(const problem& p, extra_tokens extra,
                                                              int64_t q2k_capacity) {
+  if (extra.count > 0) return detail::joint_workspace(p, detail::joint_tiles(p, extra), q2k_capacity).bytes();
+  return detail::video_backward_workspace(p, q2k_capacity).bytes();
+}
+inline std::size_t joint_sparse_attention_backward_least_workspace(const problem& p, extra_tokens extra,
+                                                                   int64_t q2k_capacity) {
   if (extra.count > 0) return detail::joint_workspace(p, detail::joint_tiles(p, extra), true).bytes();
   return detail::video_backward_workspace(p, q2k_capacity).bytes();
 }
@@ -385,11 +419,11 @@ status joint_sparse_attention_backward(const problem& p, extra_tokens extra, flo
   if (s) s = check_extra_tokens(p, extra);
   if (s) s = check_q2k_capacity(p, idx.q2k_capacity);
   if (!s) return s;
-  const std::size_t need = joint_sparse_attention_backward_workspace(p, extra, idx.q2k_capacity);
   if (workspace == nullptr) {
-    workspace_bytes = need;
+    workspace_bytes = joint_sparse_attention_backward_workspace(p, extra, idx.q2k_capacity);
     return status::ok();
   }
+  const std::size_t need = joint_sparse_attention_backward_least_workspace(p, extra, idx.q2k_capacity);
   if (!(s = detail::check_joint_common(p, extra, scale, q, k, v, idx))) return s;
   const detail::joint_tiles t(p, extra);
   const int64_t tokens = t.tokens;
@@ -398,7 +432,12 @@ status joint_sparse_attention_backward(const problem& p, extra_tokens extra, flo
   if (s) s = detail::check_gradients(p, dq, dk, dv, tokens);
   if (s) s = check_pointer("lse", lse, 4);
   if (s) s = check_workspace(workspace, workspace_bytes, need);
-  if (s) s = check_sparse_backward_disjoint(p, q, k, v, o_s, d_o, lse, idx, false, dq, dk, dv, workspace, need, extra);
+  // With extra tokens: the lists and their k2q (fixed), then the backward's scratch in whatever is left.
+  const std::size_t fixed = extra.count > 0 ? need - detail::joint_workspace(p, t, true).scratch : need;
+  const std::size_t used =
+      extra.count > 0 ? fixed + detail::joint_backward_scratch(p, t, idx.q2k_capacity, workspace_bytes - fixed).bytes()
+                      : need;
+  if (s) s = check_sparse_backward_disjoint(p, q, k, v, o_s, d_o, lse, idx, false, dq, dk, dv, workspace, used, extra);
   if (!s) return s;
   unsigned char* at = static_cast<unsigned char*>(workspace);
 
@@ -426,12 +465,15 @@ status joint_sparse_attention_backward(const problem& p, extra_tokens extra, flo
   if (!(s = detail::launch_joint_lists(p, extra, idx, lists.q2k, lists.q2k_count, table, stream))) return s;
   if (!(s = gpu::detail::launch_k2q(t.all, w.layout, lists, k2q_scratch, stream))) return s;
 
-  const auto qs = detail::joint_schedule_of(p, extra, lists.q2k, lists.q2k_count, nullptr, table);
-  const auto ks = detail::joint_schedule_of(p, extra, lists.k2q, nullptr, lists.k2q_offset, table);
+  auto qs = detail::joint_schedule_of(p, extra, lists.q2k, lists.q2k_count, nullptr, table);
+  auto ks = detail::joint_schedule_of(p, extra, lists.k2q, nullptr, lists.k2q_offset, table);
+  qs.ds_pairs = ks.ds_pairs = detail::joint_ds_pairs(t, idx.q2k_capacity);
   gpu::detail::backward_params bp = detail::sparse_backward_params(p, scale, q, k, v, d_o, dq, dk, dv, lse);
   gpu::detail::delta_params dp =
       detail::delta_base(p, gpu::detail::make_operand(o_s), gpu::detail::make_operand(d_o), qs);
-  if (!(s = detail::prepare_joint_backward(p, t, lists.k2q_offset, backward_scratch, bp, dp, stream))) return s;
+  if (!(s = detail::prepare_joint_backward(p, t, idx.q2k_capacity, lists.k2q_offset, backward_scratch,
+                                           workspace_bytes - fixed, bp, dp, stream)))
+    return s;
   return detail::run_backward(p, dp, bp, qs, ks, stream);
 }
 

@@ -142,8 +142,8 @@ inline status plan_op(const problem& p, const extra_tokens& extra, const options
     w.b_scores = take(bh * n * n * sizeof(float));
     w.coarse_scratch = take(coarse_attention_backward_workspace(p));
   }
-  w.sparse_scratch =
-      take(joint ? joint_backward_scratch(p, jt).bytes() : sparse_attention_backward_workspace(p, w.capacity));
+  w.sparse_scratch = take(joint ? joint_backward_scratch::preferred(p, jt, w.capacity)
+                                : sparse_attention_backward_workspace(p, w.capacity));
   w.backward_scratch_bytes = off;
   return status::ok();
 }
@@ -420,10 +420,12 @@ template <bool Joint = false> status backward_planned(const problem& p, const op
   if constexpr (Joint) {
     const int32_t *list = w.at<const int32_t>(state, w.joint_q2k), *count = w.at<const int32_t>(state, w.joint_count);
     const int2* table = w.at<const int2>(state, w.joint_table);
-    const auto qs = joint_schedule_of(p, w.extra, list, count, nullptr, table);
-    const auto ks = joint_schedule_of(p, w.extra, idx.k2q, nullptr, idx.k2q_offset, table);
-    s = prepare_joint_backward(p, joint_tiles(p, w.extra), idx.k2q_offset, w.at(scratch, w.sparse_scratch), bp, dp,
-                               stream);
+    const joint_tiles jt(p, w.extra);
+    auto qs = joint_schedule_of(p, w.extra, list, count, nullptr, table);
+    auto ks = joint_schedule_of(p, w.extra, idx.k2q, nullptr, idx.k2q_offset, table);
+    qs.ds_pairs = ks.ds_pairs = joint_ds_pairs(jt, w.capacity);
+    s = prepare_joint_backward(p, jt, w.capacity, idx.k2q_offset, w.at(scratch, w.sparse_scratch),
+                               w.backward_scratch_bytes - w.sparse_scratch, bp, dp, stream);
     return s ? detail::run_backward(p, dp, bp, qs, ks, stream) : s;
   } else {
     const auto qs = detail::q2k_schedule(p, idx);

@@ -38,7 +38,7 @@ struct backward_params {
   int64_t item0;
   // dq from stored dS (attention_dq_stored.hpp), the sparse pass only: dk/dv stores the dS of each pair of
   // the query heads ds_head0 … (b·Hq + h flattened) in the slot of its k2q position, 64 · 64 elements a slot
-  // at ds + (position − ds_head0 · N · capacity) · 4096; ds_map holds, for each q2k entry, its pair's k2q
+  // at ds + the schedule's ds_slot · 4096 (the video's: position − ds_head0 · N · capacity); ds_map holds, for each q2k entry, its pair's k2q
   // position within its head (−1: none). ds_units: kv heads (b·Hkv + hk flattened) whose slots the workspace
   // holds at once, 0 where dq recomputes dS instead.
   uint16_t* ds;
@@ -385,7 +385,7 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), dkdv_min_blocks
       static_assert(stores_score_frags<warp_mma<E, D>>::value, "the backend stores no score fragments");
       typename warp_mma<E, D>::score_frag ds;
       warp_mma<E, D>::pack_rows(ds, dp, row0, kv);
-      const int64_t slot = pos - p.ds_head0 * s.tiles * s.capacity;
+      const int64_t slot = s.ds_slot(pos, cur_bh, p.ds_head0);
       warp_mma<E, D>::store_transposed(p.ds + slot * (tile_rows * tile_rows), ds, row0);
       nn_pair<M>(dk, ds, sq(buf), dv, st, sdo(buf));
     } else {

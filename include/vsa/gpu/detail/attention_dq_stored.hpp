@@ -11,7 +11,9 @@
 // query tile's list, streaming each pair's 8 KB slot and K tile through a ring of shared-memory stages.
 //
 // The slots take 8 KB a pair (3.9 GB on wan2.1-1.3b-480p), so the pass runs over groups of kv heads sized to
-// the workspace (backward_params::ds_units; attention_launch.hpp), dk/dv and then dq of each group.
+// the workspace (backward_params::ds_units; attention_launch.hpp), dk/dv and then dq of each group. The joint pass
+// (joint_attention.hpp) takes the same kernels on its lists of T = N + X entries a row, its slots by pair
+// (joint_schedule::ds_slot).
 #pragma once
 
 #include "attention_backward.hpp"
@@ -72,9 +74,11 @@ template <int D> struct dq_stored_plan {
 // A block per (query tile, query head of the group of heads ds_head0 …); warp w computes dq of the tile's rows
 // 16w … 16w + 15. Each lane copies only the four 16-byte chunks of the slot that it reads (its A fragments), so
 // the slot needs no barrier of its own; K is shared by the warps. Narrow and RasterOut as for attention_dq_kernel.
-template <class E, int D, bool Narrow = false, bool RasterOut = false>
+// Sched: the video's sparse_schedule or the joint pass's (its tiles' rows through token0, its extra query tiles' long
+// walks first: query_block).
+template <class E, int D, bool Narrow = false, bool RasterOut = false, class Sched = sparse_schedule>
 __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads))
-    attention_dq_stored_kernel(const VSA_GRID_CONSTANT backward_params p, sparse_schedule s) {
+    attention_dq_stored_kernel(const VSA_GRID_CONSTANT backward_params p, Sched s) {
   using M = warp_mma<E, D>;
   using plan = dq_stored_plan<D>;
   constexpr int nthreads = 4 * M::threads, stages = plan::stages, slot_elems = tile_rows * tile_rows;
@@ -83,11 +87,14 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads))
   const auto sk = [&](int buf) { return smem_tile<D>{sm + buf * (plan::stage_bytes / 2)}; };
   const auto sds = [&](int buf) { return sm + buf * (plan::stage_bytes / 2) + plan::k_bytes / 2; };
 
-  const int64_t i = blockIdx.x, bh = p.ds_head0 + blockIdx.y;
+  // The grid is (tiles, query heads of the group of heads): query_block's head is the head's place in the group.
+  int64_t i, unit, zero;
+  s.query_block(i, unit, zero);
+  const int64_t bh = p.ds_head0 + unit;
   const int64_t b = bh / p.q_heads, h = bh % p.q_heads, hk = h / p.group;
   const int tid = threadIdx.x, row0 = (tid / M::threads) * 16;
   const int q_valid = s.valid(i);
-  const uint16_t* const slots = p.ds + blockIdx.y * s.tiles * s.capacity * slot_elems;
+  const uint16_t* const slots = p.ds + unit * s.ds_stride() * slot_elems;
 
   int64_t begin, end;
   s.range(bh, i, begin, end);
@@ -95,7 +102,12 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads))
   const auto load = [&](int64_t pos, int buf) {
     const int64_t j = s.at(pos);
     const int kv = count.valid(j);
-    copy_tile(sk(buf), p.k.tile(b, hk, j), p.k.token, kv, tid, nthreads);
+    // (tile(): at D = 64 ptxas gave the video's kernel 16 registers fewer than with at(token0), a block an SM more)
+    if constexpr (Sched::joint) {
+      copy_tile(sk(buf), p.k.at(b, hk, s.token0(j)), p.k.token, kv, tid, nthreads);
+    } else {
+      copy_tile(sk(buf), p.k.tile(b, hk, j), p.k.token, kv, tid, nthreads);
+    }
     const int32_t slot = p.ds_map[pos];
     const uint16_t* src = slots + (slot < 0 ? 0 : static_cast<int64_t>(slot)) * slot_elems;
 #pragma unroll
@@ -134,7 +146,12 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads))
 
   float* f32 = p.dq_f32 != nullptr ? p.dq_f32 + (bh * s.rows_total() + i * 64) * D : nullptr;
   with_out_rows<RasterOut, M>(p.dq, s, b, h, i, row0, q_valid, [&](const auto& rows) {
-    store_band<E, D, M, sparse_schedule>(dq, p.scale, row0, q_valid, rows, f32, p.fold_q, bh * s.tiles + i);
+    if constexpr (Sched::joint) {
+      store_band<E, D, M, Sched>(dq, p.scale, row0, q_valid, rows, f32, s.video_tile(i) ? p.fold_q : nullptr,
+                                 bh * s.video_tiles() + i, s.padding_stored(i));
+    } else {
+      store_band<E, D, M, Sched>(dq, p.scale, row0, q_valid, rows, f32, p.fold_q, bh * s.tiles + i);
+    }
   });
 }
 

@@ -135,6 +135,24 @@ template <class Sched> gpu::detail::delta_params delta_base(const problem& p, co
 // heads, and one whose single kv head's slots exceed it recomputes dS in dq, unless the caller gives more.
 inline constexpr std::size_t stored_ds_budget = std::size_t(8) << 30;
 
+// The stored dS of dq beside `base` bytes of other scratch in `available` bytes: the map of q2k entries (map_entries a
+// query head, an int each) and the slots of as many kv heads as fit (pairs a query head, the group's heads a kv head,
+// 64 · 64 elements a pair), at most all of them. Returns the kv heads whose slots fit, 0 (and no map) where not one
+// does or where the device's kernels recompute dS (stores_ds_for).
+inline int64_t fit_ds_slots(const problem& p, int64_t pairs, int64_t map_entries, std::size_t base,
+                            std::size_t available, std::size_t& map, std::size_t& slots) {
+  if (!gpu::detail::stores_ds_for(p.type, p.head_dim)) return 0;
+  const std::size_t unit = align_up(static_cast<std::size_t>(p.q_heads / p.kv_heads) * pairs * gpu::tile_rows *
+                                    gpu::tile_rows * dtype_size(p.type));
+  const std::size_t map_bytes = align_up(sizeof(int32_t) * p.batch * p.q_heads * map_entries);
+  if (available < base + map_bytes + unit) return 0;
+  const std::size_t fit = (available - base - map_bytes) / unit, all = static_cast<std::size_t>(p.batch * p.kv_heads);
+  const int64_t units = static_cast<int64_t>(fit < all ? fit : all);
+  map = map_bytes;
+  slots = units * unit;
+  return units;
+}
+
 // The fine backward's scratch, each piece aligned to workspace_alignment: delta (one fp32 a query row), the order
 // kernels' counts (2·order_buckets ints a kv head), the launch order of the dk/dv blocks (one int a kv head's tile),
 // and for dq from stored dS the map of q2k entries (one int each) and the slots of `units` kv heads at a time
@@ -152,16 +170,8 @@ struct sparse_backward_scratch {
   }
   sparse_backward_scratch(const problem& p, int64_t capacity, std::size_t available) : sparse_backward_scratch(p) {
     const int64_t n = tile_geometry(p.grid).num_tiles();
-    if (capacity < 1 || capacity > n || !gpu::detail::stores_ds_for(p.type, p.head_dim)) return;
-    const std::size_t pairs = static_cast<std::size_t>(p.q_heads / p.kv_heads) * n * capacity;
-    const std::size_t unit = align_up(pairs * gpu::tile_rows * gpu::tile_rows * dtype_size(p.type));
-    const std::size_t map_bytes = align_up(sizeof(int32_t) * p.batch * p.q_heads * n * capacity);
-    const std::size_t base = bytes();
-    if (available < base + map_bytes + unit) return;
-    const std::size_t fit = (available - base - map_bytes) / unit, all = static_cast<std::size_t>(p.batch * p.kv_heads);
-    units = static_cast<int64_t>(fit < all ? fit : all);
-    map = map_bytes;
-    slots = units * unit;
+    if (capacity < 1 || capacity > n) return;
+    units = fit_ds_slots(p, n * capacity, n * capacity, bytes(), available, map, slots);
   }
   std::size_t bytes() const { return delta + counts + order + map + slots; }
 };

@@ -103,22 +103,23 @@ inline status launch_order(const order_params& op, stream_t stream) {
 
 // The sparse backward with dq from stored dS (attention_dq_stored.hpp): the map of q2k entries to k2q positions,
 // then over groups of bp.ds_units kv heads (the slots the workspace holds), dk/dv storing each pair's dS and dq
-// reading them.
-// split: dk/dv is Hopper's warp-specialized kernel (launch_backward decides).
-template <class E, int D> status launch_backward_stored(const backward_params& bp, const sparse_schedule& q_sched,
-                                                        const sparse_schedule& k_sched, int64_t batch, bool hopper,
-                                                        bool split, stream_t stream) {
+// reading them. Sched: the video's sparse_schedule or the joint pass's.
+// split: dk/dv is Hopper's warp-specialized kernel (launch_backward decides; the video's schedule only).
+template <class E, int D, class Sched>
+status launch_backward_stored(const backward_params& bp, const Sched& q_sched, const Sched& k_sched, int64_t batch,
+                              bool hopper, bool split, stream_t stream) {
   using M = warp_mma<E, D>;
   const auto dq = narrow_or_not(q_sched, [&](auto narrow) {
-    return raster_or_not<sparse_schedule>(bp.raster_out, [](auto raster) {
-      return attention_dq_stored_kernel<E, D, decltype(narrow)::value, decltype(raster)::value>;
+    return raster_or_not<Sched>(bp.raster_out, [](auto raster) {
+      return attention_dq_stored_kernel<E, D, decltype(narrow)::value, decltype(raster)::value, Sched>;
     });
   });
-  const auto dkdv = attention_dkdv_kernel<E, D, sparse_schedule, 0, true>;
+  const auto dkdv = attention_dkdv_kernel<E, D, Sched, 0, true>;
+  constexpr bool has_split = D == 128 && !Sched::joint; // Hopper's storing dk/dv: the video's schedule
   const int dq_smem = dq_stored_plan<D>::bytes, dkdv_smem = smem_plan<D>::dkdv_bytes(hopper);
   status st = prepare(dq, dq_smem);
   if (st && !split) st = prepare(dkdv, dkdv_smem);
-  if constexpr (D == 128) {
+  if constexpr (has_split) {
     if (st && split)
       st = prepare(hopper::hopper_dkdv_kernel<E, D, hopper::dkdv_tuning, true>, hopper::dkdv_plan<D>::bytes);
   }
@@ -135,7 +136,7 @@ template <class E, int D> status launch_backward_stored(const backward_params& b
     b.item0 = u0 * tiles;
     b.ds_head0 = u0 * bp.group;
     const unsigned blocks = static_cast<unsigned>(n * tiles);
-    if constexpr (D == 128) {
+    if constexpr (has_split) {
       if (split) {
         st = launch("attention backward (dk, dv)", hopper::hopper_dkdv_kernel<E, D, hopper::dkdv_tuning, true>, blocks,
                     hopper::block_threads, hopper::dkdv_plan<D>::bytes, stream, false, b, k_sched);
@@ -220,9 +221,9 @@ template <class E, int D, class Sched> status launch_backward(const backward_par
   }
   // dq from the dS that dk/dv stores, where the workspace holds slots (ds_units), the backend can store them and the
   // table takes it.
-  if constexpr (!Sched::few_blocks && !Sched::joint && stores_score_frags<warp_mma<E, D>>::value) {
+  if constexpr (!Sched::few_blocks && stores_score_frags<warp_mma<E, D>>::value) {
     if (bp.ds_units > 0 && bp.order != nullptr && tuning::of(hopper).dq_from_stored_ds(D))
-      return launch_backward_stored<E, D>(b, q_sched, k_sched, batch, hopper, split, stream);
+      return launch_backward_stored<E, D, Sched>(b, q_sched, k_sched, batch, hopper, split && !Sched::joint, stream);
   }
   st = prepare(dq, smem);
   if (st && !split) st = prepare(dkdv, dkdv_smem);

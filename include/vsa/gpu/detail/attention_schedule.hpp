@@ -74,6 +74,12 @@ struct sparse_schedule {
   }
   // The forward's blocks a head (the grid's x): a block a query tile.
   __host__ __device__ __forceinline__ int64_t query_grid() const { return tiles; }
+  // dq from stored dS (attention_dq_stored.hpp): the slots a query head takes (its k2q lists' span), and the slot of
+  // the pair at k2q position pos of query head bh, where the slots start at query head head0.
+  __host__ __device__ __forceinline__ int64_t ds_stride() const { return tiles * capacity; }
+  __device__ __forceinline__ int64_t ds_slot(int64_t pos, int64_t, int64_t head0) const {
+    return pos - head0 * tiles * capacity;
+  }
   // The tiles of the video grid, which have coarse rows (o_c) and folds and raster positions: every tile here.
   __device__ __forceinline__ static constexpr bool video_tile(int64_t) { return true; }
   __host__ __device__ __forceinline__ int64_t video_tiles() const { return tiles; }
@@ -159,6 +165,13 @@ struct joint_schedule : sparse_schedule {
   int64_t split = 0, pieces = 1;
   float* part_o = nullptr;   // [B·Hq, X, pieces, 64, D]
   float* part_lse = nullptr; // [B·Hq, X, pieces, 64], natural log; −inf where a row's piece saw nothing
+  // dq from stored dS: a query head's slots are its pairs, at most N·(capacity + X) + X·T (ds_pairs; the host's
+  // joint_ds_pairs), not its k2q lists' span of T² entries (3.2 GB a head at wan2.1 with E = 256, against 0.36 GB).
+  int64_t ds_pairs = 0;
+  __host__ __device__ __forceinline__ int64_t ds_stride() const { return ds_pairs; }
+  __device__ __forceinline__ int64_t ds_slot(int64_t pos, int64_t bh, int64_t head0) const {
+    return (bh - head0) * ds_pairs + (pos - bh * tiles * capacity);
+  }
   __host__ __device__ __forceinline__ int64_t extra_tiles() const { return tiles - video; }
   __host__ __device__ __forceinline__ int64_t query_grid() const {
     return split > 0 ? video + extra_tiles() * pieces : tiles;
