@@ -13,8 +13,10 @@
 //
 // The forward runs an extra query tile's walk over every tile in pieces as long as a video tile's, each a block among
 // its head's, and merges the pieces' rows (joint_merge_kernel; joint_schedule says why). Hopper's copy engine and its
-// warp-specialized dk/dv take the joint schedule as the video's. Not yet: dq from stored dS (NVIDIA before Hopper,
-// where the video-only backward takes it: the joint backward recomputes dS there), and the same split of dq's walks.
+// warp-specialized dk/dv take the joint schedule as the video's, and NVIDIA before Hopper takes dq from the dS that
+// dk/dv stores, its slots by pair (joint_schedule::ds_slot). Not yet: the same split of the backward's long walks (an
+// extra query tile's in dq, an extra key tile's in dk/dv), which cost it what they cost the forward (bench/NOTES.md,
+// v28).
 #pragma once
 
 #include "detail/attention_glue.hpp"
@@ -61,7 +63,8 @@ template <int Threads = 128> __global__ void __launch_bounds__(Threads) joint_li
 }
 
 // The joint schedule's table of each tile's first row and valid count (joint_schedule::table).
-template <int Threads = 256> __global__ void __launch_bounds__(Threads) joint_table_kernel(joint_schedule s, int2* table) {
+template <int Threads = 256> __global__ void __launch_bounds__(Threads)
+    joint_table_kernel(joint_schedule s, int2* table) {
   for (int64_t t = blockIdx.x * int64_t(Threads) + threadIdx.x; t < s.tiles; t += int64_t(gridDim.x) * Threads)
     table[t] = make_int2(static_cast<int>(s.row_of(t)), s.count_of(t));
 }
@@ -80,8 +83,8 @@ struct joint_merge_params {
 // The rows of the extra query tiles from their pieces: lse = log Σ exp(lse_p), o = Σ exp(lse_p − lse) o_p, each thread
 // eight columns of a row, the pieces summed in order (bitwise reproducible). Writes o, lse and o's rounding residual
 // where the forward's epilogue would have.
-template <class E, int D, int Threads = 256>
-__global__ void __launch_bounds__(Threads) joint_merge_kernel(const VSA_GRID_CONSTANT joint_merge_params p) {
+template <class E, int D, int Threads = 256> __global__ void __launch_bounds__(Threads)
+    joint_merge_kernel(const VSA_GRID_CONSTANT joint_merge_params p) {
   constexpr int chunks = D / 8;
   for (int64_t e = blockIdx.x * int64_t(Threads) + threadIdx.x; e < p.items; e += int64_t(gridDim.x) * Threads) {
     const int chunk = static_cast<int>(e % chunks), row = static_cast<int>((e / chunks) % tile_rows);
@@ -94,7 +97,8 @@ __global__ void __launch_bounds__(Threads) joint_merge_kernel(const VSA_GRID_CON
     if (top > -__builtin_huge_valf()) {
       for (int64_t k = 0; k < p.pieces; ++k) {
         const float w = __expf(p.part_lse[(first + k) * tile_rows + row] - top);
-        const float4* part = reinterpret_cast<const float4*>(p.part_o + ((first + k) * tile_rows + row) * D + chunk * 8);
+        const float4* part =
+            reinterpret_cast<const float4*>(p.part_o + ((first + k) * tile_rows + row) * D + chunk * 8);
         const float4 a = part[0], b = part[1];
         sum += w;
         acc[0] += w * a.x, acc[1] += w * a.y, acc[2] += w * a.z, acc[3] += w * a.w;
@@ -223,9 +227,10 @@ struct joint_backward_scratch {
 
 // Carves a joint_backward_scratch of `available` bytes at `scratch` (capacity: the video lists'), points bp and dp at
 // its delta and stored dS and launches what fills the dk/dv launch order from the joint k2q lists' offsets.
-inline status prepare_joint_backward(const problem& p, const joint_tiles& t, int64_t capacity, const int32_t* k2q_offset,
-                                     void* scratch, std::size_t available, gpu::detail::backward_params& bp,
-                                     gpu::detail::delta_params& dp, gpu::stream_t stream) {
+inline status prepare_joint_backward(const problem& p, const joint_tiles& t, int64_t capacity,
+                                     const int32_t* k2q_offset, void* scratch, std::size_t available,
+                                     gpu::detail::backward_params& bp, gpu::detail::delta_params& dp,
+                                     gpu::stream_t stream) {
   const joint_backward_scratch pieces(p, t, capacity, available);
   unsigned char* at = static_cast<unsigned char*>(scratch);
   float* delta = reinterpret_cast<float*>(at);
@@ -256,8 +261,8 @@ inline gpu::detail::joint_schedule joint_schedule_of(const problem& p, const ext
 }
 
 // The workspace of the joint pass (E ≥ 1), each piece aligned to workspace_alignment. The forward: the q2k lists and
-// counts over T tiles, the schedule's tile table, and the rows of its pieces (joint_pieces). The backward, instead of the pieces, adds their k2q lists and offsets, build_k2q's scratch, and its own scratch
-// (joint_backward_scratch).
+// counts over T tiles, the schedule's tile table, and the rows of its pieces (joint_pieces). The backward, instead of
+// the pieces, adds their k2q lists and offsets, build_k2q's scratch, and its own scratch (joint_backward_scratch).
 struct joint_workspace {
   std::size_t lists, counts, table, parts = 0, k2q = 0, offsets = 0, k2q_scratch = 0, scratch = 0;
   gpu::detail::k2q_layout layout{};
@@ -326,9 +331,9 @@ inline status launch_joint_lists(const problem& p, const extra_tokens& extra, co
 
 // The joint forward on schedule s: the sparse pass, each extra query tile's walk in pieces whose rows go to `parts`
 // (joint_pieces::bytes of them), then their merge into o, lse and o's residual. A template as the entry points below.
-template <class = void>
-status run_joint_forward(const problem& p, const extra_tokens& extra, const gpu::detail::forward_params& fp,
-                         gpu::detail::joint_schedule s, float* parts, gpu::stream_t stream) {
+template <class = void> status run_joint_forward(const problem& p, const extra_tokens& extra,
+                                                 const gpu::detail::forward_params& fp, gpu::detail::joint_schedule s,
+                                                 float* parts, gpu::stream_t stream) {
   const joint_tiles t(p, extra);
   const joint_pieces pieces(t);
   s.split = pieces.split;
@@ -338,8 +343,9 @@ status run_joint_forward(const problem& p, const extra_tokens& extra, const gpu:
   status st = run_forward(p, fp, s, stream);
   if (!st) return st;
   const gpu::detail::joint_merge_params mp{
-      s.part_o, s.part_lse, fp.o, fp.lse, fp.o_residual, p.q_heads, s.rows, s.extra_first, t.extra, s.pieces,
-      s.extra_last, p.batch * p.q_heads * t.extra * gpu::tile_rows * (p.head_dim / 8)};
+      s.part_o,      s.part_lse, fp.o,         fp.lse,
+      fp.o_residual, p.q_heads,  s.rows,       s.extra_first,
+      t.extra,       s.pieces,   s.extra_last, p.batch * p.q_heads * t.extra * gpu::tile_rows * (p.head_dim / 8)};
   return gpu::detail::dispatch(p.type, p.head_dim, [&](auto cfg) {
     using C = decltype(cfg);
     return gpu::launch("joint merge", gpu::detail::joint_merge_kernel<typename C::element, C::head_dim>,
@@ -350,8 +356,8 @@ status run_joint_forward(const problem& p, const extra_tokens& extra, const gpu:
 } // namespace detail
 
 // Workspace of joint_sparse_attention_forward: none for E = 0, else the joint lists, 4·(N + X)² bytes a query head
-// (1.6 MB on wan2.1-1.3b-480p with 256 extra tokens), and the rows of the extra query tiles' pieces, 4·X·pieces·64·(D + 1)
-// bytes a query head (1.3 MB there).
+// (1.6 MB on wan2.1-1.3b-480p with 256 extra tokens), and the rows of the extra query tiles' pieces, 4·X·pieces·64·(D +
+// 1) bytes a query head (1.3 MB there).
 inline std::size_t joint_sparse_attention_forward_workspace(const problem& p, extra_tokens extra) {
   if (extra.count <= 0) return 0;
   return detail::joint_workspace(p, detail::joint_tiles(p, extra), false).bytes();

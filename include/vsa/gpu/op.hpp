@@ -285,8 +285,7 @@ template <bool Joint = false> status forward_planned(const problem& p, const opt
   fp.o_c = w.coarse ? w.at<const uint16_t>(state, w.o_c) : nullptr;
   fp.gate = gpu::detail::make_operand(io.gate);
   if constexpr (Joint) {
-    return run_joint_forward(p, w.extra, fp,
-                             joint_schedule_of(p, w.extra, joint.q2k, joint.q2k_count, nullptr, table),
+    return run_joint_forward(p, w.extra, fp, joint_schedule_of(p, w.extra, joint.q2k, joint.q2k_count, nullptr, table),
                              w.at<float>(scratch, w.joint_parts), stream);
   } else {
     return detail::run_forward(p, fp, detail::q2k_schedule(p, as_const(idx)), stream);

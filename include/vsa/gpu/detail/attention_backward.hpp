@@ -38,9 +38,9 @@ struct backward_params {
   int64_t item0;
   // dq from stored dS (attention_dq_stored.hpp), the sparse pass only: dk/dv stores the dS of each pair of
   // the query heads ds_head0 … (b·Hq + h flattened) in the slot of its k2q position, 64 · 64 elements a slot
-  // at ds + the schedule's ds_slot · 4096 (the video's: position − ds_head0 · N · capacity); ds_map holds, for each q2k entry, its pair's k2q
-  // position within its head (−1: none). ds_units: kv heads (b·Hkv + hk flattened) whose slots the workspace
-  // holds at once, 0 where dq recomputes dS instead.
+  // at ds + the schedule's ds_slot · 4096 (the video's: position − ds_head0 · N · capacity); ds_map holds, for each q2k
+  // entry, its pair's k2q position within its head (−1: none). ds_units: kv heads (b·Hkv + hk flattened) whose slots
+  // the workspace holds at once, 0 where dq recomputes dS instead.
   uint16_t* ds;
   int32_t* ds_map;
   int64_t ds_head0, ds_units;

@@ -105,9 +105,9 @@ inline status launch_order(const order_params& op, stream_t stream) {
 // then over groups of bp.ds_units kv heads (the slots the workspace holds), dk/dv storing each pair's dS and dq
 // reading them. Sched: the video's sparse_schedule or the joint pass's.
 // split: dk/dv is Hopper's warp-specialized kernel (launch_backward decides; the video's schedule only).
-template <class E, int D, class Sched>
-status launch_backward_stored(const backward_params& bp, const Sched& q_sched, const Sched& k_sched, int64_t batch,
-                              bool hopper, bool split, stream_t stream) {
+template <class E, int D, class Sched> status launch_backward_stored(const backward_params& bp, const Sched& q_sched,
+                                                                     const Sched& k_sched, int64_t batch, bool hopper,
+                                                                     bool split, stream_t stream) {
   using M = warp_mma<E, D>;
   const auto dq = narrow_or_not(q_sched, [&](auto narrow) {
     return raster_or_not<Sched>(bp.raster_out, [](auto raster) {
