@@ -202,49 +202,29 @@ inline int64_t joint_ds_pairs(const joint_tiles& t, int64_t capacity) {
   return t.video * (capacity + t.extra) + t.extra * t.all;
 }
 
-// The joint backward's own scratch, each piece aligned to workspace_alignment: delta (one fp32 a row of S), the order
-// kernels' counts and the dk/dv launch order (one int a kv head's tile); with the video lists' capacity, dq's stored
-// dS where the device takes it, as the video-only backward's (sparse_backward_scratch): the map of the joint q2k
-// entries (T² a query head) and the slots of as many kv heads as `available` bytes hold (joint_ds_pairs a query head).
-struct joint_backward_scratch {
-  std::size_t delta, order_counts, order, map = 0, slots = 0;
-  int64_t units = 0;
-  joint_backward_scratch(const problem& p, const joint_tiles& t)
-      : delta(align_up(sizeof(float) * p.batch * p.q_heads * t.tokens)),
-        order_counts(align_up(sizeof(int32_t) * 2 * gpu::detail::order_buckets * p.batch * p.kv_heads)),
-        order(align_up(sizeof(int32_t) * p.batch * p.kv_heads * t.all)) {}
+// The joint backward's own scratch (sparse_backward_scratch): delta over the S rows of a query head, the order over its
+// T key tiles, and with the video lists' capacity dq's stored dS where the device takes it: the map of the joint q2k
+// entries (T² a query head) and the slots of joint_ds_pairs a query head.
+struct joint_backward_scratch : sparse_backward_scratch {
+  joint_backward_scratch(const problem& p, const joint_tiles& t) : sparse_backward_scratch(p, t.tokens, t.all) {}
   joint_backward_scratch(const problem& p, const joint_tiles& t, int64_t capacity, std::size_t available)
       : joint_backward_scratch(p, t) {
-    if (capacity < 1 || capacity > t.video) return;
-    units = fit_ds_slots(p, joint_ds_pairs(t, capacity), t.all * t.all, bytes(), available, map, slots);
+    if (capacity >= 1 && capacity <= t.video) add_slots(p, joint_ds_pairs(t, capacity), t.all * t.all, available);
   }
-  std::size_t bytes() const { return delta + order_counts + order + map + slots; }
   // The size query's answer: every kv head's slots where they fit in stored_ds_budget, else as many as fit.
   static std::size_t preferred(const problem& p, const joint_tiles& t, int64_t capacity) {
     return joint_backward_scratch(p, t, capacity, joint_backward_scratch(p, t).bytes() + stored_ds_budget).bytes();
   }
 };
 
-// Carves a joint_backward_scratch of `available` bytes at `scratch` (capacity: the video lists'), points bp and dp at
-// its delta and stored dS and launches what fills the dk/dv launch order from the joint k2q lists' offsets.
+// Carves a joint_backward_scratch of `available` bytes at `scratch` (capacity: the video lists'), as
+// prepare_sparse_backward does the video pass's.
 inline status prepare_joint_backward(const problem& p, const joint_tiles& t, int64_t capacity,
                                      const int32_t* k2q_offset, void* scratch, std::size_t available,
                                      gpu::detail::backward_params& bp, gpu::detail::delta_params& dp,
                                      gpu::stream_t stream) {
-  const joint_backward_scratch pieces(p, t, capacity, available);
-  unsigned char* at = static_cast<unsigned char*>(scratch);
-  float* delta = reinterpret_cast<float*>(at);
-  const gpu::detail::order_params op =
-      order_params_of(p, t.all, k2q_offset, reinterpret_cast<int32_t*>(at + pieces.delta),
-                      reinterpret_cast<int32_t*>(at + pieces.delta + pieces.order_counts));
-  at += pieces.delta + pieces.order_counts + pieces.order;
-  dp.delta = delta;
-  bp.delta = delta;
-  bp.order = op.order;
-  bp.ds_map = pieces.units > 0 ? reinterpret_cast<int32_t*>(at) : nullptr;
-  bp.ds = pieces.units > 0 ? reinterpret_cast<uint16_t*>(at + pieces.map) : nullptr;
-  bp.ds_units = pieces.units;
-  return gpu::detail::launch_order(op, stream);
+  return carve_backward_scratch(p, joint_backward_scratch(p, t, capacity, available), t.all, k2q_offset, scratch, bp,
+                                dp, stream);
 }
 
 // Its schedule over lists of T = N + X entries a row: q2k (counts) for the forward and dq, k2q (offsets) for dk/dv;
@@ -439,7 +419,8 @@ status joint_sparse_attention_backward(const problem& p, extra_tokens extra, flo
   if (s) s = check_pointer("lse", lse, 4);
   if (s) s = check_workspace(workspace, workspace_bytes, need);
   // With extra tokens: the lists and their k2q (fixed), then the backward's scratch in whatever is left.
-  const std::size_t fixed = extra.count > 0 ? need - detail::joint_workspace(p, t, true).scratch : need;
+  const detail::joint_workspace w(p, t, true);
+  const std::size_t fixed = extra.count > 0 ? w.bytes() - w.scratch : need;
   const std::size_t used =
       extra.count > 0 ? fixed + detail::joint_backward_scratch(p, t, idx.q2k_capacity, workspace_bytes - fixed).bytes()
                       : need;
@@ -458,7 +439,6 @@ status joint_sparse_attention_backward(const problem& p, extra_tokens extra, flo
                                      at + w.layout.total(), rest, stream);
   }
 
-  const detail::joint_workspace w(p, t, true);
   index_lists lists{};
   lists.q2k = reinterpret_cast<int32_t*>(at);
   lists.q2k_count = reinterpret_cast<int32_t*>(at += w.lists);

@@ -216,6 +216,9 @@ inline status op_output_tokens(const problem& p, const options& opt, const op_wo
 // sparse pass over the joint schedule; instantiated by joint_forward only.
 template <bool Joint = false> status forward_planned(const problem& p, const options& opt, const op_workspace& w,
                                                      const forward_io& io, op_buffers& buffers, gpu::stream_t stream) {
+  if constexpr (Joint) {
+    if (w.extra.count == 0) return forward_planned<false>(p, opt, w, io, buffers, stream); // the video-only op
+  }
   status s = status::ok();
   if (buffers.state == nullptr) {
     buffers.state_bytes = w.state_bytes;
@@ -339,6 +342,9 @@ namespace detail {
 template <bool Joint = false> status backward_planned(const problem& p, const options& opt, const op_workspace& w,
                                                       const backward_io& io, op_buffers& buffers,
                                                       gpu::stream_t stream) {
+  if constexpr (Joint) {
+    if (w.extra.count == 0) return backward_planned<false>(p, opt, w, io, buffers, stream); // the video-only op
+  }
   status s = status::ok();
   if (buffers.state == nullptr) {
     buffers.state_bytes = w.state_bytes;
@@ -466,34 +472,28 @@ template <class = void> status joint_forward(const problem& p, extra_tokens extr
                                              const forward_io& io, op_buffers& buffers, gpu::stream_t stream) {
   detail::op_workspace w;
   const status s = detail::plan_op(p, extra, opt, w);
-  if (!s) return s;
-  return extra.count > 0 ? detail::forward_planned<true>(p, opt, w, io, buffers, stream)
-                         : detail::forward_planned(p, opt, w, io, buffers, stream);
+  return s ? detail::forward_planned<true>(p, opt, w, io, buffers, stream) : s;
 }
 template <class = void> status joint_forward(const problem& p, extra_tokens extra, const options& opt,
                                              const forward_io& io, void* workspace, std::size_t& workspace_bytes,
                                              gpu::stream_t stream) {
   return detail::in_one_workspace(p, extra, opt, false, workspace, workspace_bytes,
                                   [&](const detail::op_workspace& w, op_buffers& b) {
-                                    return extra.count > 0 ? detail::forward_planned<true>(p, opt, w, io, b, stream)
-                                                           : detail::forward_planned(p, opt, w, io, b, stream);
+                                    return detail::forward_planned<true>(p, opt, w, io, b, stream);
                                   });
 }
 template <class = void> status joint_backward(const problem& p, extra_tokens extra, const options& opt,
                                               const backward_io& io, op_buffers& buffers, gpu::stream_t stream) {
   detail::op_workspace w;
   const status s = detail::plan_op(p, extra, opt, w);
-  if (!s) return s;
-  return extra.count > 0 ? detail::backward_planned<true>(p, opt, w, io, buffers, stream)
-                         : detail::backward_planned(p, opt, w, io, buffers, stream);
+  return s ? detail::backward_planned<true>(p, opt, w, io, buffers, stream) : s;
 }
 template <class = void> status joint_backward(const problem& p, extra_tokens extra, const options& opt,
                                               const backward_io& io, void* workspace, std::size_t& workspace_bytes,
                                               gpu::stream_t stream) {
   return detail::in_one_workspace(p, extra, opt, true, workspace, workspace_bytes,
                                   [&](const detail::op_workspace& w, op_buffers& b) {
-                                    return extra.count > 0 ? detail::backward_planned<true>(p, opt, w, io, b, stream)
-                                                           : detail::backward_planned(p, opt, w, io, b, stream);
+                                    return detail::backward_planned<true>(p, opt, w, io, b, stream);
                                   });
 }
 

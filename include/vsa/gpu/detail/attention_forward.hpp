@@ -315,16 +315,17 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
     int64_t piece;
     if (s.piece_of(i, piece)) { // a piece of an extra query tile's walk: its rows go to joint_merge_kernel
       const int64_t at = ((bh * s.extra_tiles() + (i - s.video)) * s.pieces + piece) * tile_rows;
+      float factor[R];
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         const float total = matrix_sums ? lsum.x[2 * r] : M::row_sum(l[r]);
         const bool live = total > 0.f;
         if (M::row_leader()) s.part_lse[at + row0 + M::slot_row(r)] = live ? (m[r] + log2f(total)) * ln_2 : -inf;
-        m[r] = live ? 1.f / total : 0.f; // m is spent: the row's factor
+        factor[r] = live ? 1.f / total : 0.f;
       }
 #pragma unroll
       for (int e = 0; e < M::out_elems; e += 2) {
-        const float sc = m[M::elem_slot(e)];
+        const float sc = factor[M::elem_slot(e)];
         *reinterpret_cast<float2*>(s.part_o + (at + row0 + M::elem_row(e)) * D + M::elem_col(e)) =
             make_float2(o.x[e] * sc, o.x[e + 1] * sc);
       }

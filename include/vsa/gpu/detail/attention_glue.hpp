@@ -135,45 +135,41 @@ template <class Sched> gpu::detail::delta_params delta_base(const problem& p, co
 // heads, and one whose single kv head's slots exceed it recomputes dS in dq, unless the caller gives more.
 inline constexpr std::size_t stored_ds_budget = std::size_t(8) << 30;
 
-// The stored dS of dq beside `base` bytes of other scratch in `available` bytes: the map of q2k entries (map_entries a
-// query head, an int each) and the slots of as many kv heads as fit (pairs a query head, the group's heads a kv head,
-// 64 · 64 elements a pair), at most all of them. Returns the kv heads whose slots fit, 0 (and no map) where not one
-// does or where the device's kernels recompute dS (stores_ds_for).
-inline int64_t fit_ds_slots(const problem& p, int64_t pairs, int64_t map_entries, std::size_t base,
-                            std::size_t available, std::size_t& map, std::size_t& slots) {
-  if (!gpu::detail::stores_ds_for(p.type, p.head_dim)) return 0;
-  const std::size_t unit = align_up(static_cast<std::size_t>(p.q_heads / p.kv_heads) * pairs * gpu::tile_rows *
-                                    gpu::tile_rows * dtype_size(p.type));
-  const std::size_t map_bytes = align_up(sizeof(int32_t) * p.batch * p.q_heads * map_entries);
-  if (available < base + map_bytes + unit) return 0;
-  const std::size_t fit = (available - base - map_bytes) / unit, all = static_cast<std::size_t>(p.batch * p.kv_heads);
-  const int64_t units = static_cast<int64_t>(fit < all ? fit : all);
-  map = map_bytes;
-  slots = units * unit;
-  return units;
-}
-
 // The fine backward's scratch, each piece aligned to workspace_alignment: delta (one fp32 a query row), the order
-// kernels' counts (2·order_buckets ints a kv head), the launch order of the dk/dv blocks (one int a kv head's tile),
-// and for dq from stored dS the map of q2k entries (one int each) and the slots of `units` kv heads at a time
-// (group · N · capacity pairs a kv head, 64 · 64 elements a pair). The minimum (no capacity) has no slots; with the
-// capacity, as many kv heads' slots as `available` bytes hold, at most all of them; where not one fits, or where the
-// device's kernels recompute dS (stores_ds_for), none.
+// kernels' counts (2·order_buckets ints a kv head), the launch order of the dk/dv blocks (one int a kv head's key
+// tile), and for dq from stored dS the map of q2k entries (one int each) and the slots of `units` kv heads at a time
+// (the group's pairs a kv head, 64 · 64 elements a pair). The minimum has no slots; with the lists' capacity, as many
+// kv heads' slots as `available` bytes hold, at most all of them; where not one fits, or where the device's kernels
+// recompute dS (stores_ds_for), none. The video's pass: rows N·64 and N key tiles a head, N·capacity pairs and map
+// entries a query head; the joint pass (joint_backward_scratch) its own.
 struct sparse_backward_scratch {
   std::size_t delta, counts, order, map = 0, slots = 0;
   int64_t units = 0;
-  explicit sparse_backward_scratch(const problem& p) {
-    const int64_t n = tile_geometry(p.grid).num_tiles();
-    delta = align_up(sizeof(float) * p.batch * p.q_heads * n * 64);
-    counts = align_up(sizeof(int32_t) * 2 * gpu::detail::order_buckets * p.batch * p.kv_heads);
-    order = align_up(sizeof(int32_t) * p.batch * p.kv_heads * n);
-  }
+  sparse_backward_scratch(const problem& p, int64_t rows, int64_t tiles)
+      : delta(align_up(sizeof(float) * p.batch * p.q_heads * rows)),
+        counts(align_up(sizeof(int32_t) * 2 * gpu::detail::order_buckets * p.batch * p.kv_heads)),
+        order(align_up(sizeof(int32_t) * p.batch * p.kv_heads * tiles)) {}
+  explicit sparse_backward_scratch(const problem& p)
+      : sparse_backward_scratch(p, tile_geometry(p.grid).num_tiles() * 64, tile_geometry(p.grid).num_tiles()) {}
   sparse_backward_scratch(const problem& p, int64_t capacity, std::size_t available) : sparse_backward_scratch(p) {
     const int64_t n = tile_geometry(p.grid).num_tiles();
-    if (capacity < 1 || capacity > n) return;
-    units = fit_ds_slots(p, n * capacity, n * capacity, bytes(), available, map, slots);
+    if (capacity >= 1 && capacity <= n) add_slots(p, n * capacity, n * capacity, available);
   }
   std::size_t bytes() const { return delta + counts + order + map + slots; }
+
+protected:
+  // The map (map_entries a query head) and the slots of as many kv heads as fit (pairs a query head).
+  void add_slots(const problem& p, int64_t pairs, int64_t map_entries, std::size_t available) {
+    if (!gpu::detail::stores_ds_for(p.type, p.head_dim)) return;
+    const std::size_t unit = align_up(static_cast<std::size_t>(p.q_heads / p.kv_heads) * pairs * gpu::tile_rows *
+                                      gpu::tile_rows * dtype_size(p.type));
+    const std::size_t map_bytes = align_up(sizeof(int32_t) * p.batch * p.q_heads * map_entries), base = bytes();
+    if (available < base + map_bytes + unit) return;
+    const std::size_t fit = (available - base - map_bytes) / unit, all = static_cast<std::size_t>(p.batch * p.kv_heads);
+    units = static_cast<int64_t>(fit < all ? fit : all);
+    map = map_bytes;
+    slots = units * unit;
+  }
 };
 // The size query's answer: the slots of every kv head where they fit in stored_ds_budget, else as many as fit.
 inline std::size_t sparse_backward_preferred_bytes(const problem& p, int64_t capacity) {
@@ -196,18 +192,16 @@ inline gpu::detail::order_params order_params_of(const problem& p, int64_t tiles
   return op;
 }
 
-// Carves the fine backward's scratch of scratch_bytes, points bp and dp at it and launches what fills the dk/dv
-// launch order.
-inline status prepare_sparse_backward(const problem& p, const const_index_lists& idx, void* scratch,
-                                      std::size_t scratch_bytes, gpu::detail::backward_params& bp,
-                                      gpu::detail::delta_params& dp, gpu::stream_t stream) {
-  const sparse_backward_scratch pieces(p, idx.q2k_capacity, scratch_bytes);
+// Carves `pieces` at `scratch` (the order over `tiles` key tiles a kv head), points bp and dp at its delta and stored
+// dS and launches what fills the dk/dv launch order from the k2q lists' offsets.
+inline status carve_backward_scratch(const problem& p, const sparse_backward_scratch& pieces, int64_t tiles,
+                                     const int32_t* k2q_offset, void* scratch, gpu::detail::backward_params& bp,
+                                     gpu::detail::delta_params& dp, gpu::stream_t stream) {
   unsigned char* at = static_cast<unsigned char*>(scratch);
   float* delta = reinterpret_cast<float*>(at);
   at += pieces.delta;
-  const gpu::detail::order_params op =
-      order_params_of(p, tile_geometry(p.grid).num_tiles(), idx.k2q_offset, reinterpret_cast<int32_t*>(at),
-                      reinterpret_cast<int32_t*>(at + pieces.counts));
+  const gpu::detail::order_params op = order_params_of(p, tiles, k2q_offset, reinterpret_cast<int32_t*>(at),
+                                                       reinterpret_cast<int32_t*>(at + pieces.counts));
   at += pieces.counts + pieces.order;
   dp.delta = delta;
   bp.delta = delta;
@@ -216,6 +210,14 @@ inline status prepare_sparse_backward(const problem& p, const const_index_lists&
   bp.ds = pieces.units > 0 ? reinterpret_cast<uint16_t*>(at + pieces.map) : nullptr;
   bp.ds_units = pieces.units;
   return gpu::detail::launch_order(op, stream);
+}
+
+// The video pass's: its scratch of scratch_bytes.
+inline status prepare_sparse_backward(const problem& p, const const_index_lists& idx, void* scratch,
+                                      std::size_t scratch_bytes, gpu::detail::backward_params& bp,
+                                      gpu::detail::delta_params& dp, gpu::stream_t stream) {
+  return carve_backward_scratch(p, sparse_backward_scratch(p, idx.q2k_capacity, scratch_bytes),
+                                tile_geometry(p.grid).num_tiles(), idx.k2q_offset, scratch, bp, dp, stream);
 }
 
 // The forward kernels for the problem's dtype and head dim.
