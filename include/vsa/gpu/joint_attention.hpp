@@ -223,8 +223,8 @@ inline status prepare_joint_backward(const problem& p, const joint_tiles& t, int
                                      const int32_t* k2q_offset, void* scratch, std::size_t available,
                                      gpu::detail::backward_params& bp, gpu::detail::delta_params& dp,
                                      gpu::stream_t stream) {
-  return carve_backward_scratch(p, joint_backward_scratch(p, t, capacity, available), t.all, k2q_offset, scratch, bp,
-                                dp, stream);
+  return carve_backward_scratch(p, joint_backward_scratch(p, t, capacity, available), t.all, t.extra, k2q_offset,
+                                scratch, bp, dp, stream);
 }
 
 // Its schedule over lists of T = N + X entries a row: q2k (counts) for the forward and dq, k2q (offsets) for dk/dv;

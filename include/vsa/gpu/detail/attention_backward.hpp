@@ -516,6 +516,12 @@ template <class E, int D, class Sched> __global__ void __launch_bounds__(256)
 // in L2 (ordering across heads measured 4–20% slower on balanced lists). Atomics place blocks within a
 // group in any order; that changes only which block runs when, never what a block computes, so results
 // stay bitwise reproducible.
+// The joint pass's extra key tiles (the last `lead` tiles of each head: joint_schedule) walk every query tile of the
+// group, about N/k times a video key tile's pairs. Put first within their own head, as the buckets would, the last
+// head's started only when the rest of the kernel was nearly done, and ran on alone: the sm_80 build's storing dk/dv
+// at wan2.1 with E = 256 took 8.62 ms against 7.33 for its pairs at the video pass's rate (bench/NOTES.md, v28, v29).
+// So they go first across every head of a launch (a run of `run` kv heads, the groups the stored-dS backward launches
+// one at a time; all of them otherwise), in head order, and each head's video tiles after them in bucket order.
 inline constexpr int order_buckets = 32;
 
 struct order_params {
@@ -523,6 +529,8 @@ struct order_params {
   int32_t* counts;           // [B·Hkv, 2 · order_buckets], zeroed: histogram, then cursors
   int32_t* order;            // [B·Hkv·N]
   int64_t tiles, q_heads, kv_heads, group, items;
+  int64_t lead = 0; // tiles N − lead … N − 1 of each head go before every video tile of the run
+  int64_t run = 1;  // kv heads a launch takes (b·Hkv + hk flattened, from 0)
 };
 
 __device__ __forceinline__ int order_bucket(const order_params& p, int64_t item) {
@@ -539,16 +547,25 @@ __device__ __forceinline__ int order_bucket(const order_params& p, int64_t item)
 
 template <int Threads = 256> __global__ void __launch_bounds__(Threads) order_count_kernel(order_params p) {
   const int64_t item = static_cast<int64_t>(blockIdx.x) * Threads + threadIdx.x;
-  if (item < p.items) atomicAdd(&p.counts[(item / p.tiles) * 2 * order_buckets + order_bucket(p, item)], 1);
+  if (item < p.items && item % p.tiles < p.tiles - p.lead)
+    atomicAdd(&p.counts[(item / p.tiles) * 2 * order_buckets + order_bucket(p, item)], 1);
 }
 
 template <int Threads = 256> __global__ void __launch_bounds__(Threads) order_place_kernel(order_params p) {
   const int64_t item = static_cast<int64_t>(blockIdx.x) * Threads + threadIdx.x;
   if (item >= p.items) return;
-  const int64_t head = item / p.tiles;
+  const int64_t head = item / p.tiles, j = item % p.tiles, video = p.tiles - p.lead;
+  // The run's first head, and its heads (the last run may be short): its extra tiles fill the first heads · lead
+  // entries of its span of the order, and head run0 + u's video tiles the N − lead after u · (N − lead) more.
+  const int64_t heads = p.items / p.tiles, run0 = head / p.run * p.run;
+  const int64_t in_run = heads - run0 < p.run ? heads - run0 : p.run;
+  if (j >= video) {
+    p.order[run0 * p.tiles + (head - run0) * p.lead + (j - video)] = static_cast<int32_t>(item);
+    return;
+  }
   int32_t* counts = p.counts + head * 2 * order_buckets;
   const int bucket = order_bucket(p, item);
-  int64_t base = head * p.tiles;
+  int64_t base = run0 * p.tiles + in_run * p.lead + (head - run0) * video;
   for (int k = 0; k < bucket; ++k) base += counts[k];
   p.order[base + atomicAdd(&counts[order_buckets + bucket], 1)] = static_cast<int32_t>(item);
 }

@@ -177,10 +177,13 @@ inline std::size_t sparse_backward_preferred_bytes(const problem& p, int64_t cap
   return sparse_backward_scratch(p, capacity, minimum.bytes() + stored_ds_budget).bytes();
 }
 
-// The order kernels' parameters over `tiles` key tiles a kv head, from the k2q lists' offsets (launch_order).
-inline gpu::detail::order_params order_params_of(const problem& p, int64_t tiles, const int32_t* k2q_offset,
-                                                 int32_t* counts, int32_t* order) {
+// The order kernels' parameters over `tiles` key tiles a kv head, from the k2q lists' offsets (launch_order); the last
+// `lead` of them (the joint pass's extra tiles) first in each launch of `run` kv heads.
+inline gpu::detail::order_params order_params_of(const problem& p, int64_t tiles, int64_t lead, int64_t run,
+                                                 const int32_t* k2q_offset, int32_t* counts, int32_t* order) {
   gpu::detail::order_params op{};
+  op.lead = lead;
+  op.run = run;
   op.k2q_offset = k2q_offset;
   op.counts = counts;
   op.order = order;
@@ -192,15 +195,18 @@ inline gpu::detail::order_params order_params_of(const problem& p, int64_t tiles
   return op;
 }
 
-// Carves `pieces` at `scratch` (the order over `tiles` key tiles a kv head), points bp and dp at its delta and stored
-// dS and launches what fills the dk/dv launch order from the k2q lists' offsets.
+// Carves `pieces` at `scratch` (the order over `tiles` key tiles a kv head, the last `lead` of them extra tiles),
+// points bp and dp at its delta and stored dS and launches what fills the dk/dv launch order from the k2q lists'
+// offsets. The backward launches dk/dv over groups of pieces.units kv heads where it stores dS, else over all.
 inline status carve_backward_scratch(const problem& p, const sparse_backward_scratch& pieces, int64_t tiles,
-                                     const int32_t* k2q_offset, void* scratch, gpu::detail::backward_params& bp,
-                                     gpu::detail::delta_params& dp, gpu::stream_t stream) {
+                                     int64_t lead, const int32_t* k2q_offset, void* scratch,
+                                     gpu::detail::backward_params& bp, gpu::detail::delta_params& dp,
+                                     gpu::stream_t stream) {
   unsigned char* at = static_cast<unsigned char*>(scratch);
   float* delta = reinterpret_cast<float*>(at);
   at += pieces.delta;
-  const gpu::detail::order_params op = order_params_of(p, tiles, k2q_offset, reinterpret_cast<int32_t*>(at),
+  const int64_t run = pieces.units > 0 ? pieces.units : p.batch * p.kv_heads;
+  const gpu::detail::order_params op = order_params_of(p, tiles, lead, run, k2q_offset, reinterpret_cast<int32_t*>(at),
                                                        reinterpret_cast<int32_t*>(at + pieces.counts));
   at += pieces.counts + pieces.order;
   dp.delta = delta;
@@ -217,7 +223,7 @@ inline status prepare_sparse_backward(const problem& p, const const_index_lists&
                                       std::size_t scratch_bytes, gpu::detail::backward_params& bp,
                                       gpu::detail::delta_params& dp, gpu::stream_t stream) {
   return carve_backward_scratch(p, sparse_backward_scratch(p, idx.q2k_capacity, scratch_bytes),
-                                tile_geometry(p.grid).num_tiles(), idx.k2q_offset, scratch, bp, dp, stream);
+                                tile_geometry(p.grid).num_tiles(), 0, idx.k2q_offset, scratch, bp, dp, stream);
 }
 
 // The forward kernels for the problem's dtype and head dim.
