@@ -15,6 +15,8 @@
 //   nn_sums<W>(o, l, p, b, ones)       nn<W> and l += p · ones, P's row sums (row_sums_by_product backends)
 //   nt_pair, nn_pair (free functions)  two independent nt or nn whose results are read after both: one
 //                                      wait for the pair where the backend can keep both in flight
+//   nt_bands, nn_sums_bands            mma.sync backend only: nt and nn_sums of a warp's several bands against
+//                                      one shared tile, each fragment of it loaded once (the forward's bands)
 //   nt_fresh (free function)           s = a · bᵀ written anew (no zeros first where the backend writes its
 //                                      products in place: nt_into)
 //   nn_t(o, p, bt), copy_transposed    MFMA backend only (nn_from_transposed): nn from a tile stored

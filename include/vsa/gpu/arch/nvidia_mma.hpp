@@ -175,6 +175,55 @@ template <class E, int D> struct warp_mma {
     nn_chain<W, true>(o, &l, p, b);
   }
 
+  // ---- several 16-row bands a warp (the forward's bands, detail/attention_forward.hpp) ----
+  // nt and nn_sums of N bands against one shared tile, each fragment of b loaded once for all N bands: at D = 64 the
+  // 16 KB of K and V a band reads a step take about as many of the SM's shared-memory clocks (128 bytes a clock) as its
+  // products take of the tensor pipe's.
+  template <int W, int N>
+  __device__ __forceinline__ static void nt_bands(score_tile (&s)[N], const row_frag (&a)[N], smem_tile<D> b) {
+    const int l = lane();
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      const uint32_t base = frag_base(b, nv_lanes::nt_b_load_row(l), nv_lanes::nt_b_load_chunk(l), ks & 3);
+#pragma unroll
+      for (int np = 0; np < W / 16; ++np) {
+        uint32_t r[4];
+        ldmatrix_x4(r, base + frag_offset(np * 16, ks));
+#pragma unroll
+        for (int n = 0; n < N; ++n) {
+          mma(&s[n].x[(2 * np) * 4], a[n].x[ks], r[0], r[1]);
+          mma(&s[n].x[(2 * np + 1) * 4], a[n].x[ks], r[2], r[3]);
+        }
+      }
+    }
+  }
+  template <int W, int N> __device__ __forceinline__ static void
+  nn_sums_bands(out_tile (&o)[N], sum_tile (&sums)[N], const score_tile (&p)[N], smem_tile<D> b) {
+    const nn_bases bases = nn_b_bases(b);
+    const uint32_t one = E::pack(1.f, 1.f);
+#pragma unroll
+    for (int kk = 0; kk < W / 16; ++kk) {
+      uint32_t a[N][4];
+#pragma unroll
+      for (int n = 0; n < N; ++n)
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+          a[n][r] = E::pack(p[n].x[nv_lanes::p_elem(kk, r, 0)], p[n].x[nv_lanes::p_elem(kk, r, 1)]);
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        uint32_t r[4];
+        ldmatrix_x4_trans(r, bases.at[dp & 3] + frag_offset(kk * 16, dp));
+#pragma unroll
+        for (int n = 0; n < N; ++n) {
+          mma(&o[n].x[(2 * dp) * 4], a[n], r[0], r[1]);
+          mma(&o[n].x[(2 * dp + 1) * 4], a[n], r[2], r[3]);
+        }
+      }
+#pragma unroll
+      for (int n = 0; n < N; ++n) mma(sums[n].x, a[n], one, one);
+    }
+  }
+
   // ---- dq from the dS that dk/dv stores (detail/attention_dq_stored.hpp) ----
   // A 16 × 64 band of a score tile as the A operand of nn, one fragment a 16-wide k step (the layout of the stored
   // dS, lane_layout::nvidia::ds_chunk).

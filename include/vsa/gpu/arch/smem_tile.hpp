@@ -78,11 +78,15 @@ inline constexpr int max_block_smem = 99 * 1024;
 #endif
 
 // Blocks of the forward kernel that should share a multiprocessor, the register cap __launch_bounds__ derives
-// from it (65536 / (128 threads · blocks)): the tuning table's (tuning.hpp), by pass. HIP reads the same bound as
-// waves an execution unit (a SIMD), which for the attention kernels' blocks of four wave64s is blocks a CU: the cap
+// from it (65536 / (threads · blocks)): the tuning table's (tuning.hpp), by pass and head dim. HIP reads the same bound
+// as waves an execution unit (a SIMD), which for the attention kernels' blocks of four wave64s is blocks a CU: the cap
 // is 512 / blocks VGPR + AGPR a lane.
-inline constexpr int forward_min_blocks(bool hopper, bool few_blocks) {
-  return tuning::of(hopper).forward(few_blocks).min_blocks;
+inline constexpr int forward_min_blocks(bool hopper, bool few_blocks, int d) {
+  return tuning::of(hopper).forward(few_blocks).min_blocks(d);
+}
+// The forward's 16-row bands a warp, 1 or 2 (the table's), and so its warps a block, 4 / bands.
+inline constexpr int forward_bands(bool hopper, bool few_blocks, int d) {
+  return tuning::of(hopper).forward(few_blocks).bands(d) == 2 ? 2 : 1;
 }
 
 // The backward's portable kernels' second launch bound: where the platform reads the bound as blocks (the tuning

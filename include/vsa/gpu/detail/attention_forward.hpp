@@ -1,6 +1,7 @@
-// Flash-attention forward over a schedule of key tiles: one block per (query tile, head, batch), one warp
-// per 16 query rows, key and value tiles in shared memory (double-buffered where the tuning table asks for two
-// stages: smem_plan), an online softmax in base 2 with the scale folded into the exponent.
+// Flash-attention forward over a schedule of key tiles: one block per (query tile, head, batch), one warp per 16
+// query rows (or per two such bands where the tuning table asks: forward_bands), key and value tiles in shared
+// memory (double-buffered where the tuning table asks for two stages: smem_plan), an online softmax in base 2 with
+// the scale folded into the exponent.
 #pragma once
 
 #include "../arch/matrix.hpp"
@@ -37,14 +38,27 @@ struct forward_params {
   tma_map k_map, v_map;
 };
 
+// The block's threads: 4 / forward_bands warps (the host launches this many).
+template <class E, int D> constexpr int forward_threads(bool hopper, bool few_blocks) {
+  return 4 / forward_bands(hopper, few_blocks, D) * warp_mma<E, D>::threads;
+}
+
 // Narrow: steps over partial key tiles cover their valid rows only (with_step_width); the host sets it where the
 // grid has tiles of 32 valid tokens or fewer (has_narrow_tiles, attention_schedule.hpp), so that a grid without
 // them runs the loop of one width. RasterOut: p.raster_out as a template parameter (with_out_rows says why).
 template <class E, int D, class Sched, bool Narrow = false, bool RasterOut = false>
-__global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blocks(hopper_code, Sched::few_blocks))
+__global__ void __launch_bounds__((forward_threads<E, D>(hopper_code, Sched::few_blocks)),
+                                  forward_min_blocks(hopper_code, Sched::few_blocks, D))
     attention_forward_kernel(const VSA_GRID_CONSTANT forward_params p, Sched s) {
   using M = attention_mma<E, D>;
-  constexpr int nthreads = 4 * M::threads;
+  // Each warp owns `bands` bands of 16 rows, w, w + warps, …: the chains of its bands (their products, softmax and
+  // rescale) are independent, so one warp keeps two in flight where with a band a warp only another warp could fill
+  // the wait on the exponentials (the mma.sync backend at D = 64; bench/NOTES.md, v30).
+  constexpr int bands = forward_bands(hopper_code, Sched::few_blocks, D);
+  constexpr int warps = 4 / bands;
+  constexpr int nthreads = warps * M::threads;
+  static_assert(bands == 1 || (M::threads == 32 && !smem_plan<D>::forward_overlap(hopper_code, Sched::few_blocks)),
+                "bands: the mma.sync backend's one-step loop");
   constexpr int R = M::rows_per_lane;
   constexpr float inf = __builtin_huge_valf();
   // The pipeline: smem_plan::forward_stages, and why: the tuning table (tuning.hpp). The host sizes shared memory by
@@ -81,7 +95,8 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
   // The block is nthreads wide, so the modulo changes nothing but what the compiler knows: tid < nthreads,
   // which lets it narrow the index arithmetic derived from tid. With that and the loop over a step count
   // below, the Hopper sparse forward measured 1.08x faster on the H200 (bench/NOTES.md, v5).
-  const int tid = static_cast<int>(threadIdx.x) % nthreads, row0 = (tid / M::threads) * 16;
+  const int tid = static_cast<int>(threadIdx.x) % nthreads, warp = tid / M::threads;
+  const auto band_row = [&](int bd) { return (warp + bd * warps) * 16; };
   const int q_valid = s.valid(i);
 
   int64_t begin, end;
@@ -144,20 +159,27 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
     }
   }
 
-  float m[R], l[R];
-  typename row_sums::tile lsum; // the row sums where matrix_sums: slot r at x[2r]
+  // Each band's row maxima and sums, o, and Q's fragments.
+  float m[bands][R], l[bands][R];
+  typename row_sums::tile lsum[bands]; // the row sums where matrix_sums: slot r at x[2r]
+  typename M::out_tile o[bands];
 #pragma unroll
-  for (int e = 0; e < 4; ++e) lsum.x[e] = 0.f;
+  for (int bd = 0; bd < bands; ++bd) {
 #pragma unroll
-  for (int r = 0; r < R; ++r) m[r] = -inf, l[r] = 0.f;
-  typename M::out_tile o;
+    for (int e = 0; e < 4; ++e) lsum[bd].x[e] = 0.f;
 #pragma unroll
-  for (int e = 0; e < M::out_elems; ++e) o.x[e] = 0.f;
+    for (int r = 0; r < R; ++r) m[bd][r] = -inf, l[bd][r] = 0.f;
+#pragma unroll
+    for (int e = 0; e < M::out_elems; ++e) o[bd].x[e] = 0.f;
+  }
 
   copy_wait<0>();
   __syncthreads();
-  typename M::row_frag qf;
-  if constexpr (M::rows_in_registers && products_s) M::load_rows(qf, sq, row0);
+  typename M::row_frag qf[bands];
+  if constexpr (M::rows_in_registers && products_s) {
+#pragma unroll
+    for (int bd = 0; bd < bands; ++bd) M::load_rows(qf[bd], sq, band_row(bd));
+  }
   if (q_shares) __syncthreads(); // Q's slot is refilled by the first prefetch, or by the first V
   if constexpr (q_in_v) {
     if (steps > 0) load_v(j, kv, 0);
@@ -182,7 +204,8 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
   // and o is not rescaled (a warp-uniform branch; FlashAttention-4 skips its rescale the same way).
   constexpr bool lazy = tune.lazy_rescale;
   constexpr float lazy_margin = 8.f;
-  const auto softmax = [&](auto width, typename M::score_tile& st, int kv_rows, float* alpha) -> bool {
+  // softmax_of and rescale_of act on band bd's state; softmax and rescale on band 0's (the Hopper loop's).
+  const auto softmax_of = [&](int bd, auto width, typename M::score_tile& st, int kv_rows, float* alpha) -> bool {
     constexpr int W = decltype(width)::value, n = step_elems<M, W>;
     if (kv_rows < W) {
 #pragma unroll
@@ -198,15 +221,15 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       step_max[r] = M::row_max(mx[r]) * p.scale_log2;
-      grows |= step_max[r] > m[r] + lazy_margin; // m = -inf: any finite maximum grows
+      grows |= step_max[r] > m[bd][r] + lazy_margin; // m = -inf: any finite maximum grows
     }
     const bool moves = !lazy || warp_any(grows);
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      const float mnew = moves ? fmaxf(m[r], step_max[r]) : m[r];
+      const float mnew = moves ? fmaxf(m[bd][r], step_max[r]) : m[bd][r];
       const float base = mnew == -inf ? 0.f : mnew; // a row with nothing valid yet: keep exp2 away from inf - inf
-      alpha[r] = moves ? fast_exp2(m[r] - base) : 1.f;
-      m[r] = mnew;
+      alpha[r] = moves ? fast_exp2(m[bd][r] - base) : 1.f;
+      m[bd][r] = mnew;
       nbase[r] = -base;
       sum[r] = 0.f;
     }
@@ -232,25 +255,29 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
       }
       // Each lane keeps a partial row sum; the lanes of a row agree on m, so one reduction at the end suffices.
 #pragma unroll
-      for (int r = 0; r < R; ++r) l[r] = l[r] * alpha[r] + sum[r];
+      for (int r = 0; r < R; ++r) l[bd][r] = l[bd][r] * alpha[r] + sum[r];
     }
     return moves;
   };
-  const auto rescale = [&](const float(&alpha)[R]) {
+  const auto rescale_of = [&](int bd, const float* alpha) {
 #pragma unroll
-    for (int e = 0; e < M::out_elems; ++e) o.x[e] *= alpha[M::elem_slot(e)];
+    for (int e = 0; e < M::out_elems; ++e) o[bd].x[e] *= alpha[M::elem_slot(e)];
     if constexpr (matrix_sums) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) lsum.x[e] *= alpha[M::elem_slot(e)];
+      for (int e = 0; e < 4; ++e) lsum[bd].x[e] *= alpha[M::elem_slot(e)];
     }
   };
+  auto softmax = [&](auto width, typename M::score_tile& st, int kv_rows, float* alpha) {
+    return softmax_of(0, width, st, kv_rows, alpha);
+  };
+  auto rescale = [&](const float(&alpha)[R]) { rescale_of(0, alpha); };
 
   // Hopper at head dim 64 with its tiles through the copy engine: hopper/forward_overlap.hpp.
   if constexpr (overlap && feed_type::copy_engine) {
     if (feed.on() && steps > 0) {
       typename M::score_tile st; // S_n of the loop's steps
-      hopper::forward_overlapped<M, D>(feed, s, count, begin, end, j, j_next, kv, sq, sk, sv, o, tid, nthreads, softmax,
-                                       rescale, st);
+      hopper::forward_overlapped<M, D>(feed, s, count, begin, end, j, j_next, kv, sq, sk, sv, o[0], tid, nthreads,
+                                       softmax, rescale, st);
     }
   }
 
@@ -266,30 +293,47 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
       copy_commit();
 
       // The step at the key tile's width (with_step_width): products, softmax and the clear of V's rows.
+      // Each stage of the step runs every band before the next stage, so that a warp's bands overlap.
       with_step_width<Narrow>(kv, [&](auto width) {
         constexpr int W = decltype(width)::value;
-        typename M::score_tile st;
+        typename M::score_tile st[bands];
         if constexpr (!products_s) {
-          load_scores<M>(st, p.scores + bh * s.rows_total() * s.rows_total(), s, i, j, row0, false);
+#pragma unroll
+          for (int bd = 0; bd < bands; ++bd)
+            load_scores<M>(st[bd], p.scores + bh * s.rows_total() * s.rows_total(), s, i, j, band_row(bd), false);
         } else {
           if (feed.on()) kc.wait();
-          nt_fresh<M, W>(st, qf, sq, row0, sk(buf));
+          if constexpr (bands > 1) { // each fragment of K loaded once for every band (warp_mma::nt_bands)
+#pragma unroll
+            for (int bd = 0; bd < bands; ++bd)
+#pragma unroll
+              for (int e = 0; e < step_elems<M, W>; ++e) st[bd].x[e] = 0.f;
+            M::template nt_bands<W>(st, qf, sk(buf));
+          } else {
+            nt_fresh<M, W>(st[0], qf[0], sq, band_row(0), sk(buf));
+          }
           if (feed.on()) {
             __syncthreads(); // every warp's Q·Kᵀ has read K
             if (tid == 0 && pos + 1 < end) feed.load_k(sk(0), s.token0(j_next));
           }
         }
 
-        float alpha[R];
-        if (softmax(width, st, kv, alpha)) rescale(alpha);
+#pragma unroll
+        for (int bd = 0; bd < bands; ++bd) {
+          float alpha[R];
+          if (softmax_of(bd, width, st[bd], kv, alpha)) rescale_of(bd, alpha);
+        }
 
         // V's padding rows among the W the product reads are zeroed where it came through the copy engine: a zero
         // probability times a NaN there would still be NaN.
         if (feed.on()) vc.wait(sv(0), kv, tid, nthreads, W);
-        if constexpr (matrix_sums) {
-          M::template nn_sums<W>(o, lsum, st, sv(buf), ones);
+        if constexpr (bands > 1) { // each fragment of V loaded once for every band
+          static_assert(matrix_sums, "bands: the row sums from the P·V chain");
+          M::template nn_sums_bands<W>(o, lsum, st, sv(buf));
+        } else if constexpr (matrix_sums) {
+          M::template nn_sums<W>(o[0], lsum[0], st[0], sv(buf), ones);
         } else {
-          nn_operand<M, W>(o, st, sv(buf));
+          nn_operand<M, W>(o[0], st[0], sv(buf));
         }
       });
       j = j_next;
@@ -315,62 +359,70 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), forward_min_blo
     int64_t piece;
     if (s.piece_of(i, piece)) { // a piece of an extra query tile's walk: its rows go to joint_merge_kernel
       const int64_t at = ((bh * s.extra_tiles() + (i - s.video)) * s.pieces + piece) * tile_rows;
-      float factor[R];
 #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const float total = matrix_sums ? lsum.x[2 * r] : M::row_sum(l[r]);
-        const bool live = total > 0.f;
-        if (M::row_leader()) s.part_lse[at + row0 + M::slot_row(r)] = live ? (m[r] + log2f(total)) * ln_2 : -inf;
-        factor[r] = live ? 1.f / total : 0.f;
-      }
+      for (int bd = 0; bd < bands; ++bd) {
+        const int row0 = band_row(bd);
+        float factor[R];
 #pragma unroll
-      for (int e = 0; e < M::out_elems; e += 2) {
-        const float sc = factor[M::elem_slot(e)];
-        *reinterpret_cast<float2*>(s.part_o + (at + row0 + M::elem_row(e)) * D + M::elem_col(e)) =
-            make_float2(o.x[e] * sc, o.x[e + 1] * sc);
+        for (int r = 0; r < R; ++r) {
+          const float total = matrix_sums ? lsum[bd].x[2 * r] : M::row_sum(l[bd][r]);
+          const bool live = total > 0.f;
+          if (M::row_leader()) s.part_lse[at + row0 + M::slot_row(r)] = live ? (m[bd][r] + log2f(total)) * ln_2 : -inf;
+          factor[r] = live ? 1.f / total : 0.f;
+        }
+#pragma unroll
+        for (int e = 0; e < M::out_elems; e += 2) {
+          const float sc = factor[M::elem_slot(e)];
+          *reinterpret_cast<float2*>(s.part_o + (at + row0 + M::elem_row(e)) * D + M::elem_col(e)) =
+              make_float2(o[bd].x[e] * sc, o[bd].x[e + 1] * sc);
+        }
       }
       return;
     }
   }
 
-  float inv[R];
   const int64_t rows_total = s.rows_total();
 #pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const float total = matrix_sums ? lsum.x[2 * r] : M::row_sum(l[r]);
-    const int row = row0 + M::slot_row(r);
-    const bool live = row < q_valid && total > 0.f;
-    inv[r] = live ? 1.f / total : 0.f;
-    if ((s.padding_stored(i) || row < q_valid) && M::row_leader())
-      p.lse[bh * rows_total + s.token0(i) + row] = live ? (m[r] + log2f(total)) * ln_2 : inf;
-  }
-  // The combine epilogue's coarse rows and gate are the video tiles' (joint_schedule: not the extra tokens').
-  const bool combined = p.o_c != nullptr && s.video_tile(i);
-  const uint16_t* oc = combined ? p.o_c + (bh * s.video_tiles() + i) * D : nullptr;
-  const uint16_t* gate = combined && p.gate.data != nullptr ? p.gate.at(b, h, s.token0(i)) : nullptr;
-  with_out_rows<RasterOut, M>(p.o, s, b, h, i, row0, q_valid, [&](const auto& out) {
+  for (int bd = 0; bd < bands; ++bd) {
+    const int row0 = band_row(bd);
+    float inv[R];
 #pragma unroll
-    for (int e = 0; e < M::out_elems; e += 2) {
-      const int row = row0 + M::elem_row(e), col = M::elem_col(e);
-      if ((!s.padding_stored(i) && row >= q_valid) || out.skips(row, q_valid)) continue;
-      const float sc = inv[M::elem_slot(e)];
-      float x0 = o.x[e] * sc, x1 = o.x[e + 1] * sc;
-      if (oc != nullptr && row < q_valid) {
-        const float g0 = gate ? E::to_float(gate[row * p.gate.token + col]) : 1.f;
-        const float g1 = gate ? E::to_float(gate[row * p.gate.token + col + 1]) : 1.f;
-        x0 += g0 * E::to_float(oc[col]);
-        x1 += g1 * E::to_float(oc[col + 1]);
-      }
-      const uint32_t packed = E::pack(x0, x1);
-      *reinterpret_cast<uint32_t*>(out.row(row, M::elem_slot(e)) + col) = packed;
-      if (p.o_residual != nullptr) {
-        const int8_t r0 = residual_encode(x0, E::to_float(static_cast<uint16_t>(packed & 0xffffu)), E::type);
-        const int8_t r1 = residual_encode(x1, E::to_float(static_cast<uint16_t>(packed >> 16)), E::type);
-        *reinterpret_cast<uint16_t*>(p.o_residual + (bh * rows_total + s.token0(i) + row) * D + col) =
-            static_cast<uint16_t>(static_cast<uint8_t>(r0) | (static_cast<uint8_t>(r1) << 8));
-      }
+    for (int r = 0; r < R; ++r) {
+      const float total = matrix_sums ? lsum[bd].x[2 * r] : M::row_sum(l[bd][r]);
+      const int row = row0 + M::slot_row(r);
+      const bool live = row < q_valid && total > 0.f;
+      inv[r] = live ? 1.f / total : 0.f;
+      if ((s.padding_stored(i) || row < q_valid) && M::row_leader())
+        p.lse[bh * rows_total + s.token0(i) + row] = live ? (m[bd][r] + log2f(total)) * ln_2 : inf;
     }
-  });
+    // The combine epilogue's coarse rows and gate are the video tiles' (joint_schedule: not the extra tokens').
+    const bool combined = p.o_c != nullptr && s.video_tile(i);
+    const uint16_t* oc = combined ? p.o_c + (bh * s.video_tiles() + i) * D : nullptr;
+    const uint16_t* gate = combined && p.gate.data != nullptr ? p.gate.at(b, h, s.token0(i)) : nullptr;
+    with_out_rows<RasterOut, M>(p.o, s, b, h, i, row0, q_valid, [&](const auto& out) {
+#pragma unroll
+      for (int e = 0; e < M::out_elems; e += 2) {
+        const int row = row0 + M::elem_row(e), col = M::elem_col(e);
+        if ((!s.padding_stored(i) && row >= q_valid) || out.skips(row, q_valid)) continue;
+        const float sc = inv[M::elem_slot(e)];
+        float x0 = o[bd].x[e] * sc, x1 = o[bd].x[e + 1] * sc;
+        if (oc != nullptr && row < q_valid) {
+          const float g0 = gate ? E::to_float(gate[row * p.gate.token + col]) : 1.f;
+          const float g1 = gate ? E::to_float(gate[row * p.gate.token + col + 1]) : 1.f;
+          x0 += g0 * E::to_float(oc[col]);
+          x1 += g1 * E::to_float(oc[col + 1]);
+        }
+        const uint32_t packed = E::pack(x0, x1);
+        *reinterpret_cast<uint32_t*>(out.row(row, M::elem_slot(e)) + col) = packed;
+        if (p.o_residual != nullptr) {
+          const int8_t r0 = residual_encode(x0, E::to_float(static_cast<uint16_t>(packed & 0xffffu)), E::type);
+          const int8_t r1 = residual_encode(x1, E::to_float(static_cast<uint16_t>(packed >> 16)), E::type);
+          *reinterpret_cast<uint16_t*>(p.o_residual + (bh * rows_total + s.token0(i) + row) * D + col) =
+              static_cast<uint16_t>(static_cast<uint8_t>(r0) | (static_cast<uint8_t>(r1) << 8));
+        }
+      }
+    });
+  }
 }
 
 } // namespace detail

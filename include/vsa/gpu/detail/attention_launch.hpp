@@ -58,7 +58,6 @@ template <class Sched, class F> auto raster_or_not(bool raster, F&& kernel_of) {
 
 template <class E, int D, class Sched>
 status launch_forward(const forward_params& fp, const Sched& s, int64_t batch, int64_t heads, stream_t stream) {
-  using M = warp_mma<E, D>;
   const auto kernel = narrow_or_not(s, [&](auto narrow) {
     return raster_or_not<Sched>(fp.raster_out, [](auto raster) {
       return attention_forward_kernel<E, D, Sched, decltype(narrow)::value, decltype(raster)::value>;
@@ -80,7 +79,8 @@ status launch_forward(const forward_params& fp, const Sched& s, int64_t batch, i
         encode_tile_map(f.v_map, fp.v.data, batch, tokens, kv_heads, D, fp.v.batch, fp.v.token, fp.v.head))
       f.tma = 1;
   }
-  return launch("attention forward", kernel, grid, 4 * M::threads, smem, stream, false, f, s);
+  return launch("attention forward", kernel, grid, forward_threads<E, D>(hopper, Sched::few_blocks), smem, stream,
+                false, f, s);
 }
 
 template <class E, int D, class Sched>

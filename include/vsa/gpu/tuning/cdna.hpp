@@ -30,12 +30,13 @@ constexpr table cdna_table() {
   // Not taken on AMD until an AMD GPU has measured it.
   t.sparse.lazy_rescale = false;
   t.sparse.copy_engine = false;
-  t.sparse.min_blocks = 2;
+  t.sparse.bands = {1, 1};
+  t.sparse.min_blocks = {2, 2};
   // The coarse pass (a grid under one wave of the GPU: each block's chain of steps matters, not occupancy) keeps
   // two stages at both head dims and no register cap.
   t.coarse = t.sparse;
   t.coarse.stages = {2, 2};
-  t.coarse.min_blocks = 1;
+  t.coarse.min_blocks = {1, 1};
   t.forward_q_own_slot = false;
   // Backward, dq: one stage of K and V (at D = 128 all that fits): with Q and dO, 32 KiB a block at D = 64 instead
   // of 49, two blocks a CU, and the bound asks for two (172-192 registers, no spill). At D = 128, 64 KiB and 284-317

@@ -52,7 +52,8 @@ constexpr table hopper_table() {
   // Four blocks an SM: the one-stage pipeline's 48 KiB (D = 128) or 40 KiB (D = 64) let four sit on an SM's 227
   // KiB, so registers are capped at 128 (ptxas spills 16-92 bytes at D = 128, none at D = 64); measured against
   // three blocks (163 / 136 registers): 1.04-1.05x at D = 128, 1.10x at D = 64 (bench/NOTES.md, v15).
-  t.sparse.min_blocks = 4;
+  t.sparse.bands = {1, 1}; // the wgmma backend's warpgroup owns all 64 rows
+  t.sparse.min_blocks = {4, 4};
   // The coarse pass keeps the other parts' two stages, copy_tile and three blocks: there each block's chain of
   // steps matters, not occupancy (its grid is under one wave of the GPU), and one stage through the copy engine
   // measured slower (23.4 → 27.9 µs on wan2.1, bench/NOTES.md v8).

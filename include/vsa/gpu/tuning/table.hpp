@@ -27,7 +27,10 @@ struct forward_pass {
   // in P), so that most steps skip the rescale of o (attention_forward.hpp).
   bool lazy_rescale;
   bool copy_engine; // K and V through the copy engine (hopper/feeds.hpp), where the loop allows it
-  int min_blocks;   // the kernel's second launch bound (forward_min_blocks)
+  // 16-row bands of the block's 64 query rows a warp, 1 or 2 (2 only on the mma.sync backend): 4 / bands warps a
+  // block, each running the chains of its bands side by side (attention_forward.hpp).
+  per_dim<int> bands;
+  per_dim<int> min_blocks; // the kernel's second launch bound (forward_min_blocks)
 };
 
 struct table {
