@@ -26,15 +26,16 @@ constexpr table nvidia_mma_table() {
   t.sparse.ones_narrow = true;
   t.sparse.lazy_rescale = true;
   t.sparse.copy_engine = false;
-  // At D = 64 each warp runs two bands, two warps a block: the products of a step are half those of D = 128 while its
-  // softmax is as long, and with one band a warp the loop waited on the exponentials' chain. Two chains a warp
-  // measured 1.11x faster on hd64-32k (sm_80 build on an H100: 1.77 -> 1.58 ms, 90% of FlashAttention-2's forward;
-  // bench/NOTES.md, v30). Four blocks of two warps an SM: two warps a scheduler, so up to 255 registers a thread (a
-  // scheduler's 16,384), which two bands take (240-250); at three warps a scheduler ptxas allows 168 and spilled 300
-  // bytes. D = 128: three blocks of four warps. (With one band a warp at D = 64, four blocks of four, registers
-  // capped at 128, had measured slower than three: 2.01-2.02 ms against 1.96-1.97, v21.)
-  t.sparse.bands = {2, 1};
-  t.sparse.min_blocks = {4, 3};
+  // Two bands a warp at D = 64 (two warps a block; attention_forward.hpp): the products of a step are half those of
+  // D = 128 while its softmax is as long, and with one band a warp the loop waits on the exponentials' chain. Two
+  // chains a warp measured 1.11x faster on hd64-32k (sm_80 build on an H100: 1.77 -> 1.58 ms, 90% of
+  // FlashAttention-2's forward; bench/NOTES.md, v30), at four blocks of two warps an SM (two warps a scheduler, so up
+  // to 255 registers a thread, which two bands take: 241-253; at three warps a scheduler ptxas allows 168 and spilled
+  // 300 bytes): bands = {2, 1}, min_blocks = {4, 3}. Not yet the default: the GPU suite has not yet run on that
+  // kernel. One band: three blocks of four warps an SM at both head dims (at D = 64 four, registers capped at 128,
+  // measured slower: 2.01-2.02 ms against 1.96-1.97, v21).
+  t.sparse.bands = {1, 1};
+  t.sparse.min_blocks = {3, 3};
   t.coarse = t.sparse;
   t.coarse.bands = {1, 1};
   t.coarse.min_blocks = {3, 3};
