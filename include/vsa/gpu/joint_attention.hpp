@@ -14,10 +14,10 @@
 // The forward runs an extra query tile's walk over every tile in pieces as long as a video tile's, each a block among
 // its head's, and merges the pieces' rows (joint_merge_kernel; joint_schedule says why). Hopper's copy engine and its
 // warp-specialized dk/dv take the joint schedule as the video's, and NVIDIA before Hopper takes dq from the dS that
-// dk/dv stores, its slots by pair (joint_schedule::ds_slot). The backward's long walks (an extra query tile's in dq,
-// an extra key tile's in dk/dv) are launched before every video tile's, across heads (order_params::lead), so that
-// they run beside the rest (bench/NOTES.md, v29); they are not split as the forward's are, which a problem of few heads
-// would need.
+// dk/dv stores, its slots by pair (joint_schedule::ds_slot). The backward's long walks are launched before every video
+// tile's, across heads, so that they run beside the rest: an extra query tile's in dq by the schedule's query_block, an
+// extra key tile's in dk/dv by the launch order (order_params::lead; bench/NOTES.md, v29). They are not split as the
+// forward's are, which a problem of few heads would need.
 #pragma once
 
 #include "detail/attention_glue.hpp"

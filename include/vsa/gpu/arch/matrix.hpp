@@ -191,7 +191,8 @@ template <int D> __device__ __forceinline__ void copy_tile(smem_tile<D> dst, con
                                                            int valid, int tid, int nthreads) {
   constexpr int chunks = smem_tile<D>::chunks;
   if (nthreads % chunks == 0 && (nthreads / chunks) % 8 == 0 && tile_rows % (nthreads / chunks) == 0) {
-    // Every block width the kernels use: a thread keeps one chunk column and steps by whole groups of eight
+    // Every block width the kernels use (but the banded forward's 64 threads at D = 128, which takes the general loop,
+    // and no table asks for): a thread keeps one chunk column and steps by whole groups of eight
     // rows, which leaves the swizzle (row mod 8) unchanged, so both addresses move by a fixed step. The
     // general loop below recomputes the row, column and swizzle of every chunk: ~20 instructions a chunk
     // against ~6 here, which made the sparse passes 1.16x faster on the H200 (bench/NOTES.md, v6).

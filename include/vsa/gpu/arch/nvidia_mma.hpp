@@ -1,5 +1,6 @@
 // NVIDIA backend of the warp-level matrix layer: mma.sync m16n8k16 (sm_80 and later), fragments loaded
-// from shared memory with ldmatrix. One warp of 32 lanes owns a 16-row band of a 64-row tile.
+// from shared memory with ldmatrix. One warp of 32 lanes owns a 16-row band of a 64-row tile (or two: the forward's
+// bands, nt_bands and nn_sums_bands).
 //
 // Lane l holds, of a 16×8 accumulator, rows l/4 and l/4 + 8 at columns 2(l mod 4) and 2(l mod 4) + 1 (the
 // PTX ISA's fragment layout for m16n8k16). The accumulator of two adjacent n8 tiles is, element for

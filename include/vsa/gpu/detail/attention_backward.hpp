@@ -555,8 +555,9 @@ template <int Threads = 256> __global__ void __launch_bounds__(Threads) order_pl
   const int64_t item = static_cast<int64_t>(blockIdx.x) * Threads + threadIdx.x;
   if (item >= p.items) return;
   const int64_t head = item / p.tiles, j = item % p.tiles, video = p.tiles - p.lead;
-  // The run's first head, and its heads (the last run may be short): its extra tiles fill the first heads · lead
-  // entries of its span of the order, and head run0 + u's video tiles the N − lead after u · (N − lead) more.
+  // The run's first head run0 and its in_run heads (the last run may be short): their extra tiles fill the first
+  // in_run · lead entries of the run's span of the order, and head run0 + u's video tiles the N − lead after
+  // u · (N − lead) more.
   const int64_t heads = p.items / p.tiles, run0 = head / p.run * p.run;
   const int64_t in_run = heads - run0 < p.run ? heads - run0 : p.run;
   if (j >= video) {

@@ -57,7 +57,10 @@ __global__ void __launch_bounds__((forward_threads<E, D>(hopper_code, Sched::few
   constexpr int bands = forward_bands(hopper_code, Sched::few_blocks, D);
   constexpr int warps = 4 / bands;
   constexpr int nthreads = warps * M::threads;
-  static_assert(bands == 1 || (M::threads == 32 && !smem_plan<D>::forward_overlap(hopper_code, Sched::few_blocks)),
+  // The wgmma backend derives from warp_mma (threads 32) but reads Q from shared memory: rows_in_registers and
+  // hopper_code tell the two apart.
+  static_assert(bands == 1 || (!hopper_code && M::threads == 32 && M::rows_in_registers &&
+                               !smem_plan<D>::forward_overlap(hopper_code, Sched::few_blocks)),
                 "bands: the mma.sync backend's one-step loop");
   constexpr int R = M::rows_per_lane;
   constexpr float inf = __builtin_huge_valf();

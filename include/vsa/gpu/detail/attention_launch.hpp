@@ -89,8 +89,8 @@ status launch_delta(const delta_params& dp, const Sched& s, int64_t batch, strea
   return launch("attention delta", attention_delta_kernel<E, D, Sched>, grid, 256, 0, stream, false, dp, s);
 }
 
-// Fills op.order (and uses op.counts, 2·order_buckets ints a kv head) with the longest-first order of the
-// dk/dv blocks of each kv head.
+// Fills op.order (and uses op.counts, 2·order_buckets ints a kv head) with the launch order of the dk/dv blocks: the
+// extra tiles of every kv head of a run first (op.lead), then each kv head's other tiles longest first.
 inline status launch_order(const order_params& op, stream_t stream) {
   const std::size_t heads = static_cast<std::size_t>(op.items / op.tiles);
   status st = runtime_status(memset_async(op.counts, 0, heads * 2 * order_buckets * sizeof(int32_t), stream), "order");
