@@ -207,7 +207,9 @@ inline int64_t joint_ds_pairs(const joint_tiles& t, int64_t capacity) {
 // T key tiles, and with the video lists' capacity dq's stored dS where the device takes it: the map of the joint q2k
 // entries (T² a query head) and the slots of joint_ds_pairs a query head.
 struct joint_backward_scratch : sparse_backward_scratch {
-  joint_backward_scratch(const problem& p, const joint_tiles& t) : sparse_backward_scratch(p, t.tokens, t.all) {}
+  joint_backward_scratch(const problem& p, const joint_tiles& t) : sparse_backward_scratch(p, t.tokens, t.all) {
+    lead = t.extra;
+  }
   joint_backward_scratch(const problem& p, const joint_tiles& t, int64_t capacity, std::size_t available)
       : joint_backward_scratch(p, t) {
     if (capacity >= 1 && capacity <= t.video) add_slots(p, joint_ds_pairs(t, capacity), t.all * t.all, available);
@@ -224,8 +226,8 @@ inline status prepare_joint_backward(const problem& p, const joint_tiles& t, int
                                      const int32_t* k2q_offset, void* scratch, std::size_t available,
                                      gpu::detail::backward_params& bp, gpu::detail::delta_params& dp,
                                      gpu::stream_t stream) {
-  return carve_backward_scratch(p, joint_backward_scratch(p, t, capacity, available), t.all, t.extra, k2q_offset,
-                                scratch, bp, dp, stream);
+  return carve_backward_scratch(p, joint_backward_scratch(p, t, capacity, available), k2q_offset, scratch, bp, dp,
+                                stream);
 }
 
 // Its schedule over lists of T = N + X entries a row: q2k (counts) for the forward and dq, k2q (offsets) for dk/dv;

@@ -126,30 +126,44 @@ template <class E, int D> struct warp_mma {
 
   // s += A · Bᵀ over the head dim, B the 64 rows of tile b; A from registers or from rows row0.. of tile a.
   // With W < 64 only the first W rows of b, and so the first W columns of s (its first W/2 elements).
-  template <int W = tile_rows>
-  __device__ __forceinline__ static void nt_step(score_tile& s, const uint32_t (&a)[4], smem_tile<D> b, int ks) {
+  // The A fragments of k step ks of N bands' row_frags.
+  template <int N> struct frags { uint32_t x[N][4]; };
+  template <int N> __device__ __forceinline__ static frags<N> step_frags(const row_frag* a, int ks) {
+    frags<N> f;
+#pragma unroll
+    for (int n = 0; n < N; ++n)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) f.x[n][r] = a[n].x[ks][r];
+    return f;
+  }
+  // k step ks of it for N bands at once (s and a: N consecutive tiles and fragments), each fragment of b loaded once.
+  template <int W = tile_rows, int N = 1>
+  __device__ __forceinline__ static void nt_step(score_tile* s, const uint32_t (&a)[N][4], smem_tile<D> b, int ks) {
     const int l = lane();
     const uint32_t base = frag_base(b, nv_lanes::nt_b_load_row(l), nv_lanes::nt_b_load_chunk(l), ks & 3);
 #pragma unroll
     for (int np = 0; np < W / 16; ++np) { // pairs of n8 tiles: 16 rows of b
       uint32_t r[4];
       ldmatrix_x4(r, base + frag_offset(np * 16, ks));
-      mma(&s.x[(2 * np) * 4], a, r[0], r[1]);
-      mma(&s.x[(2 * np + 1) * 4], a, r[2], r[3]);
+#pragma unroll
+      for (int n = 0; n < N; ++n) {
+        mma(&s[n].x[(2 * np) * 4], a[n], r[0], r[1]);
+        mma(&s[n].x[(2 * np + 1) * 4], a[n], r[2], r[3]);
+      }
     }
   }
   template <int W = tile_rows>
   __device__ __forceinline__ static void nt(score_tile& s, const row_frag& a, smem_tile<D> b) {
 #pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) nt_step<W>(s, a.x[ks], b, ks);
+    for (int ks = 0; ks < D / 16; ++ks) nt_step<W>(&s, step_frags<1>(&a, ks).x, b, ks);
   }
   template <int W = tile_rows>
   __device__ __forceinline__ static void nt(score_tile& s, smem_tile<D> a, int row0, smem_tile<D> b) {
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
-      uint32_t f[4];
-      load_a(f, a, row0, ks);
-      nt_step<W>(s, f, b, ks);
+      uint32_t f[1][4];
+      load_a(f[0], a, row0, ks);
+      nt_step<W>(&s, f, b, ks);
     }
   }
 
@@ -157,7 +171,7 @@ template <class E, int D> struct warp_mma {
   // over the first W columns of P and rows of b only.
   template <int W = tile_rows>
   __device__ __forceinline__ static void nn(out_tile& o, const score_tile& p, smem_tile<D> b) {
-    nn_chain<W, false>(o, nullptr, p, b);
+    nn_chain<W, false>(&o, nullptr, &p, b);
   }
 
   // A 16 × 8 accumulator of row sums (rows lane/4 in x[0], x[1] and lane/4 + 8 in x[2], x[3]): P times a B of
@@ -173,7 +187,7 @@ template <class E, int D> struct warp_mma {
   static constexpr bool row_sums_by_product = true;
   template <int W = tile_rows> __device__ __forceinline__ static void
   nn_sums(out_tile& o, sum_tile& l, const score_tile& p, smem_tile<D> b, const uint16_t* /*ones*/) {
-    nn_chain<W, true>(o, &l, p, b);
+    nn_chain<W, true>(&o, &l, &p, b);
   }
 
   // ---- several 16-row bands a warp (the forward's bands, detail/attention_forward.hpp) ----
@@ -182,47 +196,12 @@ template <class E, int D> struct warp_mma {
   // products take of the tensor pipe's.
   template <int W, int N>
   __device__ __forceinline__ static void nt_bands(score_tile (&s)[N], const row_frag (&a)[N], smem_tile<D> b) {
-    const int l = lane();
 #pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {
-      const uint32_t base = frag_base(b, nv_lanes::nt_b_load_row(l), nv_lanes::nt_b_load_chunk(l), ks & 3);
-#pragma unroll
-      for (int np = 0; np < W / 16; ++np) {
-        uint32_t r[4];
-        ldmatrix_x4(r, base + frag_offset(np * 16, ks));
-#pragma unroll
-        for (int n = 0; n < N; ++n) {
-          mma(&s[n].x[(2 * np) * 4], a[n].x[ks], r[0], r[1]);
-          mma(&s[n].x[(2 * np + 1) * 4], a[n].x[ks], r[2], r[3]);
-        }
-      }
-    }
+    for (int ks = 0; ks < D / 16; ++ks) nt_step<W, N>(s, step_frags<N>(a, ks).x, b, ks);
   }
   template <int W, int N> __device__ __forceinline__ static void
   nn_sums_bands(out_tile (&o)[N], sum_tile (&sums)[N], const score_tile (&p)[N], smem_tile<D> b) {
-    const nn_bases bases = nn_b_bases(b);
-    const uint32_t one = E::pack(1.f, 1.f);
-#pragma unroll
-    for (int kk = 0; kk < W / 16; ++kk) {
-      uint32_t a[N][4];
-#pragma unroll
-      for (int n = 0; n < N; ++n)
-#pragma unroll
-        for (int r = 0; r < 4; ++r)
-          a[n][r] = E::pack(p[n].x[nv_lanes::p_elem(kk, r, 0)], p[n].x[nv_lanes::p_elem(kk, r, 1)]);
-#pragma unroll
-      for (int dp = 0; dp < D / 16; ++dp) {
-        uint32_t r[4];
-        ldmatrix_x4_trans(r, bases.at[dp & 3] + frag_offset(kk * 16, dp));
-#pragma unroll
-        for (int n = 0; n < N; ++n) {
-          mma(&o[n].x[(2 * dp) * 4], a[n], r[0], r[1]);
-          mma(&o[n].x[(2 * dp + 1) * 4], a[n], r[2], r[3]);
-        }
-      }
-#pragma unroll
-      for (int n = 0; n < N; ++n) mma(sums[n].x, a[n], one, one);
-    }
+    nn_chain<W, true, N>(o, sums, p, b);
   }
 
   // ---- dq from the dS that dk/dv stores (detail/attention_dq_stored.hpp) ----
@@ -300,23 +279,34 @@ template <class E, int D> struct warp_mma {
   }
 
 private:
-  template <int W, bool Sums>
-  __device__ __forceinline__ static void nn_chain(out_tile& o, sum_tile* sums, const score_tile& p, smem_tile<D> b) {
+  // o[n] += p[n] · b (and sums[n] += p[n] · ones) for N bands (N consecutive tiles each), each fragment of b loaded
+  // once for all of them.
+  template <int W, bool Sums, int N = 1>
+  __device__ __forceinline__ static void nn_chain(out_tile* o, sum_tile* sums, const score_tile* p, smem_tile<D> b) {
     const nn_bases bases = nn_b_bases(b);
     const uint32_t one = E::pack(1.f, 1.f);
 #pragma unroll
     for (int kk = 0; kk < W / 16; ++kk) { // 16 rows of b per step
-      uint32_t a[4];
+      uint32_t a[N][4];
 #pragma unroll
-      for (int r = 0; r < 4; ++r) a[r] = E::pack(p.x[nv_lanes::p_elem(kk, r, 0)], p.x[nv_lanes::p_elem(kk, r, 1)]);
+      for (int n = 0; n < N; ++n)
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+          a[n][r] = E::pack(p[n].x[nv_lanes::p_elem(kk, r, 0)], p[n].x[nv_lanes::p_elem(kk, r, 1)]);
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) { // pairs of n8 tiles along the head dim
         uint32_t r[4];
         ldmatrix_x4_trans(r, bases.at[dp & 3] + frag_offset(kk * 16, dp));
-        mma(&o.x[(2 * dp) * 4], a, r[0], r[1]);
-        mma(&o.x[(2 * dp + 1) * 4], a, r[2], r[3]);
+#pragma unroll
+        for (int n = 0; n < N; ++n) {
+          mma(&o[n].x[(2 * dp) * 4], a[n], r[0], r[1]);
+          mma(&o[n].x[(2 * dp + 1) * 4], a[n], r[2], r[3]);
+        }
       }
-      if constexpr (Sums) mma(sums->x, a, one, one);
+      if constexpr (Sums) {
+#pragma unroll
+        for (int n = 0; n < N; ++n) mma(sums[n].x, a[n], one, one);
+      }
     }
   }
 };

@@ -145,10 +145,12 @@ inline constexpr std::size_t stored_ds_budget = std::size_t(8) << 30;
 struct sparse_backward_scratch {
   std::size_t delta, counts, order, map = 0, slots = 0;
   int64_t units = 0;
-  sparse_backward_scratch(const problem& p, int64_t rows, int64_t tiles)
+  int64_t tiles;    // key tiles a kv head, which the order covers
+  int64_t lead = 0; // the last `lead` of them the joint pass's extra tiles (order_params::lead)
+  sparse_backward_scratch(const problem& p, int64_t rows, int64_t tiles_)
       : delta(align_up(sizeof(float) * p.batch * p.q_heads * rows)),
         counts(align_up(sizeof(int32_t) * 2 * gpu::detail::order_buckets * p.batch * p.kv_heads)),
-        order(align_up(sizeof(int32_t) * p.batch * p.kv_heads * tiles)) {}
+        order(align_up(sizeof(int32_t) * p.batch * p.kv_heads * tiles_)), tiles(tiles_) {}
   explicit sparse_backward_scratch(const problem& p)
       : sparse_backward_scratch(p, tile_geometry(p.grid).num_tiles() * 64, tile_geometry(p.grid).num_tiles()) {}
   sparse_backward_scratch(const problem& p, int64_t capacity, std::size_t available) : sparse_backward_scratch(p) {
@@ -195,19 +197,19 @@ inline gpu::detail::order_params order_params_of(const problem& p, int64_t tiles
   return op;
 }
 
-// Carves `pieces` at `scratch` (the order over `tiles` key tiles a kv head, the last `lead` of them extra tiles),
-// points bp and dp at its delta and stored dS and launches what fills the dk/dv launch order from the k2q lists'
-// offsets. The backward launches dk/dv over groups of pieces.units kv heads where it stores dS, else over all.
-inline status carve_backward_scratch(const problem& p, const sparse_backward_scratch& pieces, int64_t tiles,
-                                     int64_t lead, const int32_t* k2q_offset, void* scratch,
-                                     gpu::detail::backward_params& bp, gpu::detail::delta_params& dp,
+// Carves `pieces` at `scratch`, points bp and dp at its delta and stored dS and launches what fills the dk/dv launch
+// order from the k2q lists' offsets. The backward launches dk/dv over groups of pieces.units kv heads where it stores
+// dS, else over all.
+inline status carve_backward_scratch(const problem& p, const sparse_backward_scratch& pieces, const int32_t* k2q_offset,
+                                     void* scratch, gpu::detail::backward_params& bp, gpu::detail::delta_params& dp,
                                      gpu::stream_t stream) {
   unsigned char* at = static_cast<unsigned char*>(scratch);
   float* delta = reinterpret_cast<float*>(at);
   at += pieces.delta;
   const int64_t run = pieces.units > 0 ? pieces.units : p.batch * p.kv_heads;
-  const gpu::detail::order_params op = order_params_of(p, tiles, lead, run, k2q_offset, reinterpret_cast<int32_t*>(at),
-                                                       reinterpret_cast<int32_t*>(at + pieces.counts));
+  const gpu::detail::order_params op =
+      order_params_of(p, pieces.tiles, pieces.lead, run, k2q_offset, reinterpret_cast<int32_t*>(at),
+                      reinterpret_cast<int32_t*>(at + pieces.counts));
   at += pieces.counts + pieces.order;
   dp.delta = delta;
   bp.delta = delta;
@@ -222,8 +224,8 @@ inline status carve_backward_scratch(const problem& p, const sparse_backward_scr
 inline status prepare_sparse_backward(const problem& p, const const_index_lists& idx, void* scratch,
                                       std::size_t scratch_bytes, gpu::detail::backward_params& bp,
                                       gpu::detail::delta_params& dp, gpu::stream_t stream) {
-  return carve_backward_scratch(p, sparse_backward_scratch(p, idx.q2k_capacity, scratch_bytes),
-                                tile_geometry(p.grid).num_tiles(), 0, idx.k2q_offset, scratch, bp, dp, stream);
+  return carve_backward_scratch(p, sparse_backward_scratch(p, idx.q2k_capacity, scratch_bytes), idx.k2q_offset, scratch,
+                                bp, dp, stream);
 }
 
 // The forward kernels for the problem's dtype and head dim.
