@@ -3,6 +3,7 @@
 #include "attention_inputs.hpp"
 
 #include <vsa/gpu/joint_attention.hpp>
+#include <vsa/gpu/packed_attention.hpp>
 
 #include <string>
 
@@ -121,6 +122,145 @@ void joint_op(benchmark::State& state, const shape& s, int64_t count, bool backw
   time_op(state, in, options{}, backward_pass, false, extra_tokens{count, false});
 }
 
+// A packed batch (packed_problem): samples of different grids, 12 heads, D = 128, bf16, each with uniform lists of
+// k_s = ⌈0.1·N_s⌉ key tiles a row (its own seed); the batch's lists are the samples' in the batch's tile numbering.
+struct packed_batch {
+  std::vector<grid3> grids;
+  packed_problem pp;
+  problem whole;
+  std::vector<problem> own;        // each sample as a problem of its own
+  std::vector<device_lists> lists; // each sample's, k2q included
+  std::vector<int64_t> first, k;   // each sample's first tile and list length
+  device_lists packed;             // the batch's q2k lists (k2q built by the backward)
+  int64_t capacity = 0, tiles = 0;
+  buffer q, kk, v, o, d_o, dq, dk, dv, lse;
+  explicit packed_batch(std::vector<grid3> g) : grids(std::move(g)) {
+    pp.q_heads = pp.kv_heads = 12;
+    pp.head_dim = 128;
+    pp.grids = grids.data();
+    pp.samples = static_cast<int64_t>(grids.size());
+    check(check_packed_problem(pp, target::gpu, whole), "packed problem");
+    std::vector<int32_t> q2k, count;
+    for (std::size_t s = 0; s < grids.size(); ++s) {
+      problem p = whole;
+      p.grid = grids[s];
+      own.push_back(p);
+      const int64_t n = tile_geometry(p.grid).num_tiles();
+      first.push_back(tiles);
+      k.push_back(resolve_top_k(n, options{}));
+      capacity = std::max(capacity, k.back());
+      lists.push_back(random_lists(p, k.back(), 7 + s));
+      tiles += n;
+    }
+    q2k.assign(12 * tiles * capacity, -1);
+    count.assign(12 * tiles, 0);
+    for (std::size_t s = 0; s < grids.size(); ++s) {
+      const int64_t n = tile_geometry(grids[s]).num_tiles(), rows = 12 * n;
+      std::vector<int32_t> own_q2k(rows * k[s]);
+      check(copy_to_host(own_q2k.data(), lists[s].q2k.get(), own_q2k.size() * 4), "download");
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t to = (r / n) * tiles + first[s] + r % n;
+        count[to] = static_cast<int32_t>(k[s]);
+        for (int64_t e = 0; e < k[s]; ++e)
+          q2k[to * capacity + e] = own_q2k[r * k[s] + e] + static_cast<int32_t>(first[s]);
+      }
+    }
+    packed = device_lists{buffer(q2k.size() * 4), buffer(count.size() * 4), buffer(4), buffer(4)};
+    check(copy_to_device(packed.q2k.get(), q2k.data(), q2k.size() * 4), "upload");
+    check(copy_to_device(packed.count.get(), count.data(), count.size() * 4), "upload");
+    const int64_t n = tiles * 64 * 12 * 128;
+    q = random_elements(n, dtype::bf16, 1);
+    kk = random_elements(n, dtype::bf16, 2);
+    v = random_elements(n, dtype::bf16, 3);
+    d_o = random_elements(n, dtype::bf16, 4);
+    o = buffer(n * 2), dq = buffer(n * 2), dk = buffer(n * 2), dv = buffer(n * 2), lse = buffer(12 * tiles * 64 * 4);
+  }
+  // A view of buffer b: the whole batch, or sample s's slots.
+  tensor view(const buffer& b, int64_t s = -1) const {
+    const int64_t from = s < 0 ? 0 : first[s] * 64,
+                  slots = s < 0 ? tiles * 64 : (tile_geometry(grids[s]).num_tiles() * 64);
+    tensor t = bshd(b.get(), 1, slots, 12, 128);
+    t.data = static_cast<unsigned char*>(t.data) + from * 12 * 128 * 2;
+    return t;
+  }
+  double flops() const {
+    double f = 0.0;
+    for (std::size_t s = 0; s < grids.size(); ++s) f += forward_flops(own[s], k[s]);
+    return f;
+  }
+};
+
+// One packed call for the whole batch, or (`packed` false) each sample's own call one after another on the same
+// stream, as an engine without packed batches runs them; forward, or backward after one forward.
+void packed_pass(benchmark::State& state, const char* name, const std::vector<grid3>& grids, bool packed,
+                 bool backward_pass) {
+  packed_batch& b = kept<packed_batch>(std::string("packed/") + name, grids);
+  const float scale = 1.f / std::sqrt(128.f);
+  std::size_t fbytes = packed_sparse_attention_forward_workspace(b.pp), bbytes = 0;
+  check(packed_sparse_attention_backward(b.pp, scale, {}, {}, {}, {}, {}, nullptr, as_const(b.packed.view(b.capacity)),
+                                         {}, {}, {}, nullptr, bbytes, nullptr),
+        "packed workspace size");
+  for (std::size_t s = 0; s < b.grids.size(); ++s)
+    bbytes = std::max(bbytes, sparse_attention_backward_workspace(b.own[s], b.k[s]));
+  buffer ws(std::max(fbytes, bbytes));
+  // lse of sample s: its rows of every head (the batch's lse is [H, N·64]; a sample's own call writes [H, N_s·64]).
+  buffer own_lse(12 * b.tiles * 64 * 4);
+  const auto forward = [&] {
+    if (packed) {
+      check(packed_sparse_attention_forward(b.pp, scale, as_const(b.view(b.q)), as_const(b.view(b.kk)),
+                                            as_const(b.view(b.v)), as_const(b.packed.view(b.capacity)), b.view(b.o),
+                                            b.lse.get<float>(), ws.get(), fbytes, nullptr),
+            "packed forward");
+      return;
+    }
+    for (std::size_t s = 0; s < b.grids.size(); ++s)
+      check(sparse_attention_forward(b.own[s], scale, as_const(b.view(b.q, s)), as_const(b.view(b.kk, s)),
+                                     as_const(b.view(b.v, s)), as_const(b.lists[s].view(b.k[s])), b.view(b.o, s),
+                                     own_lse.get<float>() + 12 * b.first[s] * 64, nullptr),
+            "sample forward");
+  };
+  const auto backward = [&] {
+    if (packed) {
+      std::size_t given = bbytes;
+      check(packed_sparse_attention_backward(b.pp, scale, as_const(b.view(b.q)), as_const(b.view(b.kk)),
+                                             as_const(b.view(b.v)), as_const(b.view(b.o)), as_const(b.view(b.d_o)),
+                                             b.lse.get<float>(), as_const(b.packed.view(b.capacity)), b.view(b.dq),
+                                             b.view(b.dk), b.view(b.dv), ws.get(), given, nullptr),
+            "packed backward");
+      return;
+    }
+    for (std::size_t s = 0; s < b.grids.size(); ++s) {
+      std::size_t given = bbytes;
+      check(sparse_attention_backward(b.own[s], scale, as_const(b.view(b.q, s)), as_const(b.view(b.kk, s)),
+                                      as_const(b.view(b.v, s)), as_const(b.view(b.o, s)), as_const(b.view(b.d_o, s)),
+                                      own_lse.get<float>() + 12 * b.first[s] * 64, as_const(b.lists[s].view(b.k[s])),
+                                      b.view(b.dq, s), b.view(b.dk, s), b.view(b.dv, s), ws.get(), given, nullptr),
+            "sample backward");
+    }
+  };
+  if (backward_pass) {
+    forward();
+    time_on_stream(state, nullptr, backward);
+  } else {
+    time_on_stream(state, nullptr, forward);
+  }
+  state.counters["tiles"] = double(b.tiles);
+  state.counters["TFLOP/s"] = benchmark::Counter(b.flops() * (backward_pass ? 2.5 : 1.0) * 1e-12,
+                                                 benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// 480p-class clips of Wan 2.1 (landscape, portrait, square, shorter), and eight small ones that alone fill little of
+// the GPU.
+const std::vector<grid3>& batch_480p() {
+  static const std::vector<grid3> g = {{21, 30, 52}, {21, 52, 30}, {21, 40, 40}, {13, 30, 52}};
+  return g;
+}
+const std::vector<grid3>& batch_small() {
+  static const std::vector<grid3> g = {{5, 16, 16}, {9, 12, 20}, {5, 20, 12}, {3, 16, 28},
+                                       {7, 16, 16}, {5, 12, 12}, {9, 8, 16},  {5, 24, 16}};
+  return g;
+}
+
 const bool registered = [] {
   benchmark::RegisterBenchmark("copy_bandwidth", copy_bandwidth)->UseManualTime()->Unit(benchmark::kMillisecond);
   for (const shape& s : anchors()) {
@@ -166,6 +306,16 @@ const bool registered = [] {
         ->Iterations(5)
         ->Unit(benchmark::kMicrosecond);
   }
+  // Packed batches against their samples' own calls, the same lists and tensors.
+  for (const bool backward_pass : {false, true})
+    for (const bool packed : {true, false})
+      for (const auto& batch : {std::make_pair("4x480p", &batch_480p()), std::make_pair("8xsmall", &batch_small())}) {
+        const std::string n = std::string(backward_pass ? "packed_backward" : "packed_forward") +
+                              (packed ? "/" : "_samples/") + batch.first;
+        benchmark::RegisterBenchmark(n.c_str(), packed_pass, batch.first, *batch.second, packed, backward_pass)
+            ->UseManualTime()
+            ->Unit(benchmark::kMillisecond);
+      }
   return true;
 }();
 

@@ -212,6 +212,22 @@ struct extra_tokens {
   VSA_HOST_DEVICE int64_t extra_start(int64_t video) const { return first ? 0 : video; }
 };
 
+// A packed batch (varlen): samples of different latent grids in one sequence, as an inference engine batches requests
+// of different sizes. Sample s holds N_s tiles (tile_geometry(grids[s]).num_tiles()); its N_s·64 tiled slots follow the
+// previous sample's, so that the tensors of a packed call are [1, N·64, H, D] views, N = Σ N_s, with no padding
+// between samples beyond each sample's own partial tiles. Tiles are numbered across the batch: sample s owns tiles
+// first_s … first_s + N_s − 1, first_s = Σ_{r<s} N_r, and a q2k row of one of them lists tiles of the same sample (an
+// entry of another sample is the caller's error: it costs results, never memory safety). `grids` is host memory of
+// `samples` entries; the heads, head dim and element type are the batch's.
+struct packed_problem {
+  int64_t q_heads = 1;
+  int64_t kv_heads = 1;
+  int64_t head_dim = 128;
+  dtype type = dtype::bf16;
+  const grid3* grids = nullptr;
+  int64_t samples = 0;
+};
+
 // Feature map of the linear-attention branch.
 enum class feature_map : int { softmax = 0, elu1 = 1, relu = 2 };
 

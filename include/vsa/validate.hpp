@@ -87,6 +87,37 @@ inline status check_problem(const problem& p, target where) {
   return status::ok();
 }
 
+// A packed batch (packed_problem): at least one sample, every grid's dimensions >= 1, and the batch as one problem of
+// N = Σ N_s tiles, `whole`, whose sizes every check of the one-grid entry points then takes: batch 1, the batch's
+// heads, head dim and type, and a grid of N whole tiles (4 × 4 × 4N), so that its tensors hold N·64 slots. Only the
+// tiles' valid counts differ from that grid's, which the kernels take from the samples' grids. The rows of the batch
+// stay below 2^31 (the kernels' tile table holds each tile's first row as an int32).
+inline status check_packed_problem(const packed_problem& pp, target where, problem& whole) {
+  if (pp.samples < 1) return status::error(errc::bad_batch, "samples: must be >= 1, got %lld", (long long)pp.samples);
+  if (pp.grids == nullptr) return status::error(errc::null_pointer, "grids: pointer is null");
+  int64_t tiles = 0;
+  for (int64_t s = 0; s < pp.samples; ++s) {
+    const grid3 g = pp.grids[s];
+    if (g.t < 1 || g.h < 1 || g.w < 1)
+      return status::error(errc::bad_grid, "grids[%lld]: every dimension must be >= 1, got %lldx%lldx%lld",
+                           (long long)s, (long long)g.t, (long long)g.h, (long long)g.w);
+    if (detail::checked_mul(detail::checked_mul(g.t, g.h), g.w) < 0)
+      return status::error(errc::bad_grid, "grids[%lld]: %lldx%lldx%lld overflows the sizes", (long long)s,
+                           (long long)g.t, (long long)g.h, (long long)g.w);
+    tiles += tile_geometry(g).num_tiles();
+    if (tiles * tile_tokens > int64_t(INT32_MAX))
+      return status::error(errc::unsupported, "grids: samples 0..%lld hold more than 2^31 slots", (long long)s);
+  }
+  whole = problem{};
+  whole.batch = 1;
+  whole.q_heads = pp.q_heads;
+  whole.kv_heads = pp.kv_heads;
+  whole.head_dim = pp.head_dim;
+  whole.type = pp.type;
+  whole.grid = {tile_edge, tile_edge, tile_edge * tiles};
+  return check_problem(whole, where);
+}
+
 // The extra tokens of the joint op (extra_tokens): a count >= 0 whose tensors, batch · heads · (N·64 + count) ·
 // head_dim elements, stay far from int64 overflow as the video's do (check_problem runs first).
 inline status check_extra_tokens(const problem& p, const extra_tokens& extra) {

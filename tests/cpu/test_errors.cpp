@@ -690,3 +690,45 @@ TEST_CASE("the linear branch rejects an output over another argument, by name", 
   CHECK(heads_of(grads, 0, hk) == heads_of(w.dk, 0, hk));
   CHECK(heads_of(grads, hk, hk) == heads_of(w.dv, 0, hk));
 }
+
+// A packed batch's descriptor (packed_problem): the checks the GPU entry points run first, on the host.
+TEST_CASE("a packed batch's descriptor is rejected by name, and stands for one problem of its tiles", "[cpu][errors]") {
+  const grid3 grids[] = {{5, 6, 7}, {8, 8, 8}, {1, 1, 1}};
+  packed_problem pp;
+  pp.q_heads = 4;
+  pp.kv_heads = 2;
+  pp.head_dim = 64;
+  pp.grids = grids;
+  pp.samples = 3;
+  problem whole;
+  REQUIRE(check_packed_problem(pp, target::gpu, whole).is_ok());
+  const int64_t tiles = tile_geometry(grids[0]).num_tiles() + tile_geometry(grids[1]).num_tiles() + 1;
+  CHECK(tile_geometry(whole.grid).num_tiles() == tiles);
+  CHECK(tile_geometry(whole.grid).tiled_tokens() == tiles * 64);
+  CHECK(whole.batch == 1);
+  CHECK(whole.q_heads == 4);
+  CHECK(whole.kv_heads == 2);
+
+  packed_problem x = pp;
+  x.samples = 0;
+  CHECK(check_packed_problem(x, target::gpu, whole).code() == errc::bad_batch);
+  x = pp;
+  x.grids = nullptr;
+  CHECK(check_packed_problem(x, target::gpu, whole).code() == errc::null_pointer);
+  const grid3 bad[] = {{5, 6, 7}, {8, 0, 8}};
+  x = pp;
+  x.grids = bad;
+  x.samples = 2;
+  const status s = check_packed_problem(x, target::gpu, whole);
+  CHECK(s.code() == errc::bad_grid);
+  CHECK(test::mentions(s, "grids[1]"));
+  const grid3 huge[] = {{5, 6, 7}, {int64_t(1) << 12, int64_t(1) << 12, int64_t(1) << 10}};
+  x.grids = huge;
+  CHECK(check_packed_problem(x, target::gpu, whole).code() == errc::unsupported);
+  x = pp;
+  x.kv_heads = 3;
+  CHECK(check_packed_problem(x, target::gpu, whole).code() == errc::bad_heads);
+  x = pp;
+  x.head_dim = 96;
+  CHECK(check_packed_problem(x, target::gpu, whole).code() == errc::bad_head_dim);
+}
