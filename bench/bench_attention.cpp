@@ -191,7 +191,8 @@ struct packed_batch {
 };
 
 // One packed call for the whole batch, or (`packed` false) each sample's own call one after another on the same
-// stream, as an engine without packed batches runs them; forward, or backward after one forward.
+// stream, as an engine without packed batches runs them (each backward after its sample's build_k2q, as the packed
+// backward builds its lists inside the call); forward, or backward after one forward.
 void packed_pass(benchmark::State& state, const char* name, const std::vector<grid3>& grids, bool packed,
                  bool backward_pass) {
   packed_batch& b = kept<packed_batch>(std::string("packed/") + name, grids);
@@ -200,9 +201,15 @@ void packed_pass(benchmark::State& state, const char* name, const std::vector<gr
   check(packed_sparse_attention_backward(b.pp, scale, {}, {}, {}, {}, {}, nullptr, as_const(b.packed.view(b.capacity)),
                                          {}, {}, {}, nullptr, bbytes, nullptr),
         "packed workspace size");
-  for (std::size_t s = 0; s < b.grids.size(); ++s)
+  // Each sample's own backward builds its k2q lists first, as the packed one does inside its call.
+  std::size_t kbytes = 0;
+  for (std::size_t s = 0; s < b.grids.size(); ++s) {
     bbytes = std::max(bbytes, sparse_attention_backward_workspace(b.own[s], b.k[s]));
-  buffer ws(std::max(fbytes, bbytes));
+    std::size_t x = 0;
+    check(build_k2q(b.own[s], b.lists[s].view(b.k[s]), nullptr, x, nullptr), "k2q workspace size");
+    kbytes = std::max(kbytes, x);
+  }
+  buffer ws(std::max(fbytes, bbytes)), k2q_ws(kbytes);
   // lse of sample s: its rows of every head (the batch's lse is [H, N·64]; a sample's own call writes [H, N_s·64]).
   buffer own_lse(12 * b.tiles * 64 * 4);
   const auto forward = [&] {
@@ -230,7 +237,8 @@ void packed_pass(benchmark::State& state, const char* name, const std::vector<gr
       return;
     }
     for (std::size_t s = 0; s < b.grids.size(); ++s) {
-      std::size_t given = bbytes;
+      std::size_t given = bbytes, k2q_given = kbytes;
+      check(build_k2q(b.own[s], b.lists[s].view(b.k[s]), k2q_ws.get(), k2q_given, nullptr), "sample k2q");
       check(sparse_attention_backward(b.own[s], scale, as_const(b.view(b.q, s)), as_const(b.view(b.kk, s)),
                                       as_const(b.view(b.v, s)), as_const(b.view(b.o, s)), as_const(b.view(b.d_o, s)),
                                       own_lse.get<float>() + 12 * b.first[s] * 64, as_const(b.lists[s].view(b.k[s])),

@@ -104,9 +104,10 @@ inline status check_packed_problem(const packed_problem& pp, target where, probl
     if (detail::checked_mul(detail::checked_mul(g.t, g.h), g.w) < 0)
       return status::error(errc::bad_grid, "grids[%lld]: %lldx%lldx%lld overflows the sizes", (long long)s,
                            (long long)g.t, (long long)g.h, (long long)g.w);
-    tiles += tile_geometry(g).num_tiles();
-    if (tiles * tile_tokens > int64_t(INT32_MAX))
+    const int64_t n = tile_geometry(g).num_tiles(); // below 2^60 (checked_mul above), and so is the sum below
+    if (n > int64_t(INT32_MAX) / tile_tokens - tiles)
       return status::error(errc::unsupported, "grids: samples 0..%lld hold more than 2^31 slots", (long long)s);
+    tiles += n;
   }
   whole = problem{};
   whole.batch = 1;

@@ -725,6 +725,9 @@ TEST_CASE("a packed batch's descriptor is rejected by name, and stands for one p
   const grid3 huge[] = {{5, 6, 7}, {int64_t(1) << 12, int64_t(1) << 12, int64_t(1) << 10}};
   x.grids = huge;
   CHECK(check_packed_problem(x, target::gpu, whole).code() == errc::unsupported);
+  const grid3 vast[] = {{1, 1, int64_t(1) << 60}, {1, 1, 4}}; // 2^58 tiles: the running count must not overflow
+  x.grids = vast;
+  CHECK(check_packed_problem(x, target::gpu, whole).code() == errc::unsupported);
   x = pp;
   x.kv_heads = 3;
   CHECK(check_packed_problem(x, target::gpu, whole).code() == errc::bad_heads);
