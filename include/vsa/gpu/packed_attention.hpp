@@ -10,10 +10,11 @@
 // does; dq from stored dS (NVIDIA before Hopper), Hopper's copy engine and its warp-specialized dk/dv take the batch as
 // they take one grid.
 //
-// Each tile's outputs are those of its sample's own call, bit for bit, where that call takes the same kernel: the
-// narrow-step kernels (partial tiles of 32 valid tokens or fewer, has_narrow_tiles) run the whole batch where any
-// sample has such tiles, and on Hopper they form P's row sums on another unit than the wide ones (the tuning table's
-// ones_narrow), so that a sample without narrow tiles in such a batch agrees with its own call within rounding only.
+// Each tile's outputs are to be those of its sample's own call, bit for bit, where that call takes the same kernel (the
+// same arithmetic on the same rows; tests/gpu/test_packed.cpp asserts it): the narrow-step kernels (partial tiles of 32
+// valid tokens or fewer, has_narrow_tiles) run the whole batch where any sample has such tiles, and on Hopper they form
+// P's row sums on another unit than the wide ones (the tuning table's ones_narrow), so that a sample without narrow
+// tiles in such a batch agrees with its own call within rounding only.
 #pragma once
 
 #include "joint_attention.hpp"
