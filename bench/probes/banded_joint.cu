@@ -8,6 +8,8 @@
 //
 //   nvcc -std=c++17 -O3 --expt-relaxed-constexpr -arch=sm_80 -I include -o banded_joint bench/probes/banded_joint.cu
 //   OUT=out ./banded_joint off
+#include "probe_inputs.hpp"
+
 #include <vsa/vsa.hpp>
 #include <vsa/gpu/packed_attention.hpp>
 #include <vsa/gpu/joint_attention.hpp>
@@ -38,17 +40,6 @@ using namespace vsa;
       return 1;                                                                                                        \
     }                                                                                                                  \
   } while (0)
-__global__ void fill(uint16_t* x, int64_t n, uint32_t seed) {
-  const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= n) return;
-  uint32_t h = (uint32_t)i * 2654435761u ^ seed;
-  h ^= h >> 15;
-  h *= 2246822519u;
-  h ^= h >> 13;
-  h *= 3266489917u;
-  h ^= h >> 16;
-  x[i] = gpu::bf16_type::pack((h & 0xffff) / 32768.f - 1.f, 0.f) & 0xffff;
-}
 int run(grid3 grid, int64_t D, int64_t hq, int64_t hkv, int64_t cap) {
   problem p;
   p.batch = 1;
@@ -88,9 +79,9 @@ int run(grid3 grid, int64_t D, int64_t hq, int64_t hkv, int64_t cap) {
     CK(cudaMalloc(&lse[r], rows * 64 * 4));
     CK(cudaMemset(lse[r], 0xff, rows * 256));
   }
-  fill<<<(eq + 255) / 256, 256>>>(q, eq, 1);
-  fill<<<(ek + 255) / 256, 256>>>(k, ek, 2);
-  fill<<<(ek + 255) / 256, 256>>>(v, ek, 3);
+  probe::fill<gpu::bf16_type><<<(eq + 255) / 256, 256>>>(q, eq, 1, 1.f);
+  probe::fill<gpu::bf16_type><<<(ek + 255) / 256, 256>>>(k, ek, 2, 1.f);
+  probe::fill<gpu::bf16_type><<<(ek + 255) / 256, 256>>>(v, ek, 3, 1.f);
   // zero padding slots? the kernels mask them; leave random.
   const auto view = [&](void* d, int64_t h) { return bshd<void*>(d, 1, S, h, D); };
   const float scale = 1.f / std::sqrt(float(D));
@@ -166,9 +157,9 @@ int run(grid3 grid, int64_t D, int64_t hq, int64_t hkv, int64_t cap) {
     CK(cudaMalloc(&jv, etk * 2));
     CK(cudaMalloc(&jo, et * 2));
     CK(cudaMalloc(&jl, hq * St * 4));
-    fill<<<(et + 255) / 256, 256>>>(jq, et, 5);
-    fill<<<(etk + 255) / 256, 256>>>(jk, etk, 6);
-    fill<<<(etk + 255) / 256, 256>>>(jv, etk, 7);
+    probe::fill<gpu::bf16_type><<<(et + 255) / 256, 256>>>(jq, et, 5, 1.f);
+    probe::fill<gpu::bf16_type><<<(etk + 255) / 256, 256>>>(jk, etk, 6, 1.f);
+    probe::fill<gpu::bf16_type><<<(etk + 255) / 256, 256>>>(jv, etk, 7, 1.f);
     CK(cudaMemset(jo, 0xff, et * 2));
     const std::size_t jb = joint_sparse_attention_forward_workspace(p, ex);
     void* jw;

@@ -100,10 +100,15 @@ inline gpu::detail::joint_schedule packed_schedule_of(const problem& whole, bool
 // The backward's workspace: the tile table, the k2q lists and offsets and build_k2q's scratch (video_backward_workspace
 // of the batch's problem), then the one-grid backward's scratch: the least, or with `preferred` what the size query
 // asks (dq's stored dS where the device takes it).
-inline std::size_t packed_backward_bytes(const problem& whole, int64_t capacity, bool preferred) {
+// Its fixed part, ahead of the one-grid backward's scratch: the table, the k2q lists and offsets, build_k2q's scratch.
+inline std::size_t packed_backward_fixed_bytes(const problem& whole, int64_t capacity) {
   const video_backward_workspace w(whole, capacity);
-  const std::size_t rest = preferred ? sparse_attention_backward_workspace(whole, capacity) : w.rest;
-  return packed_table_bytes(whole) + w.bytes() - w.rest + rest;
+  return packed_table_bytes(whole) + w.bytes() - w.rest;
+}
+inline std::size_t packed_backward_bytes(const problem& whole, int64_t capacity, bool preferred) {
+  return packed_backward_fixed_bytes(whole, capacity) + (preferred
+                                                             ? sparse_attention_backward_workspace(whole, capacity)
+                                                             : sparse_attention_backward_workspace(whole));
 }
 
 } // namespace detail
@@ -193,7 +198,8 @@ status packed_sparse_attention_backward(const packed_problem& pp, float scale, c
   if (s) s = check_workspace(workspace, workspace_bytes, detail::packed_backward_bytes(p, capacity, false));
   // The table and the k2q lists (fixed), then the one-grid backward's scratch in whatever is left.
   const detail::video_backward_workspace w(p, capacity);
-  const std::size_t table_bytes = detail::packed_table_bytes(p), fixed = table_bytes + w.bytes() - w.rest;
+  const std::size_t table_bytes = detail::packed_table_bytes(p),
+                    fixed = detail::packed_backward_fixed_bytes(p, capacity);
   const std::size_t used = fixed + detail::sparse_backward_scratch(p, capacity, workspace_bytes - fixed).bytes();
   if (s) s = check_sparse_backward_disjoint(p, q, k, v, o_s, d_o, lse, idx, false, dq, dk, dv, workspace, used);
   if (!s) return s;
