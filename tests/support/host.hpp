@@ -138,6 +138,13 @@ inline double rel_error(const std::vector<double>& a, const std::vector<double>&
   return ref == 0.0 ? std::numeric_limits<double>::infinity() : std::sqrt(diff / ref);
 }
 
+// A log-sum-exp against its reference: within 1e-3 * (1 + |ref|), or the same infinity (a row that attends
+// nothing). NaN never passes.
+inline bool lse_close(float x, float ref) {
+  if (std::isinf(ref)) return x == ref;
+  return std::fabs(x - ref) <= 1e-3f * (1.f + std::fabs(ref));
+}
+
 // Logical values of a tensor in [b][s][h][d] order, whatever its layout and dtype.
 inline std::vector<double> values(const host_tensor& x) {
   std::vector<double> r;
