@@ -4,6 +4,7 @@
 
 #include <vsa/gpu/joint_attention.hpp>
 #include <vsa/gpu/packed_attention.hpp>
+#include <vsa/gpu/packed_op.hpp>
 
 #include <string>
 
@@ -257,6 +258,37 @@ void packed_pass(benchmark::State& state, const char* name, const std::vector<gr
                                                  benchmark::Counter::kIsIterationInvariantRate);
 }
 
+// The whole op's forward (block means, coarse pass, selection at 90% sparsity, the sparse pass with the combine
+// epilogue) over the batch in one call, or (`packed` false) each sample's own forward() in turn, on the same tensors.
+void packed_op_forward(benchmark::State& state, const char* name, const std::vector<grid3>& grids, bool packed) {
+  packed_batch& b = kept<packed_batch>(std::string("packed/") + name, grids);
+  const options opt{};
+  const auto io = [&](int64_t s) {
+    return forward_io{
+        as_const(b.view(b.q, s)), as_const(b.view(b.kk, s)), as_const(b.view(b.v, s)), {}, b.view(b.o, s)};
+  };
+  std::size_t bytes = 0;
+  check(packed_forward(b.pp, opt, forward_io{}, nullptr, bytes, nullptr), "packed op workspace size");
+  for (const problem& p : b.own) {
+    std::size_t x = 0;
+    check(forward(p, opt, forward_io{}, nullptr, x, nullptr), "op workspace size");
+    bytes = std::max(bytes, x);
+  }
+  buffer ws(bytes);
+  time_on_stream(state, nullptr, [&] {
+    if (packed) {
+      std::size_t given = bytes;
+      check(packed_forward(b.pp, opt, io(-1), ws.get(), given, nullptr), "packed op forward");
+      return;
+    }
+    for (std::size_t s = 0; s < b.grids.size(); ++s) {
+      std::size_t given = bytes;
+      check(forward(b.own[s], opt, io(static_cast<int64_t>(s)), ws.get(), given, nullptr), "sample op forward");
+    }
+  });
+  state.counters["tiles"] = double(b.tiles);
+}
+
 // 480p-class clips of Wan 2.1 (landscape, portrait, square, shorter), and eight small ones that alone fill little of
 // the GPU.
 const std::vector<grid3>& batch_480p() {
@@ -324,6 +356,13 @@ const bool registered = [] {
             ->UseManualTime()
             ->Unit(benchmark::kMillisecond);
       }
+  for (const bool packed : {true, false})
+    for (const auto& batch : {std::make_pair("4x480p", &batch_480p()), std::make_pair("8xsmall", &batch_small())})
+      benchmark::RegisterBenchmark(
+          ((packed ? "packed_op_forward/" : "packed_op_forward_samples/") + std::string(batch.first)).c_str(),
+          packed_op_forward, batch.first, *batch.second, packed)
+          ->UseManualTime()
+          ->Unit(benchmark::kMillisecond);
   return true;
 }();
 

@@ -25,5 +25,7 @@
 #include "gpu/linear_attention.hpp"
 #endif
 #include "gpu/op.hpp"
+#include "gpu/packed_attention.hpp"
+#include "gpu/packed_op.hpp"
 #include "gpu/select.hpp"
 #endif

@@ -3,6 +3,7 @@
 #include <vsa/gpu/layout.hpp>
 #include <vsa/gpu/linear_attention.hpp>
 #include <vsa/gpu/op.hpp>
+#include <vsa/gpu/packed_op.hpp>
 
 // Every entry point dispatches on dtype and head dim at run time, so one call of each instantiates all of
 // its kernels.
@@ -15,7 +16,9 @@ vsa::status vsa_instantiate_all(vsa::gpu::stream_t stream) {
   vsa::tensor t{};
   vsa::index_lists idx{};
   std::size_t bytes = 0;
+  vsa::packed_problem pp{};
   vsa::status s = vsa::forward(p, opt, f, nullptr, bytes, stream);
+  if (s) s = vsa::packed_forward(pp, opt, f, nullptr, bytes, stream);
   if (s) s = vsa::backward(p, opt, b, nullptr, bytes, stream);
   if (s) s = vsa::tile(p, 1, c, t, stream);
   if (s) s = vsa::untile(p, 1, c, t, stream);

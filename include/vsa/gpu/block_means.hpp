@@ -49,8 +49,15 @@ struct means_source {
 
 struct means_params {
   means_source q, k, v;
-  tile_geometry geo;
   int64_t batch;
+};
+
+// The tiles of a packed batch (packed_attention.hpp): valid counts from its tile table, {first row, valid} a tile.
+struct packed_tiles {
+  const int2* table;
+  int64_t tiles;
+  __host__ __device__ __forceinline__ int64_t num_tiles() const { return tiles; }
+  __device__ __forceinline__ int valid(int64_t t) const { return table[t].y; }
 };
 
 // Field by field: selecting whole parameter structs, or taking their address, makes compilers copy the
@@ -67,10 +74,12 @@ __device__ __forceinline__ means_source pick(const means_params& p, bool is_q, b
   return s;
 }
 
-template <class E, int D> __global__ void __launch_bounds__(tile_row_threads) block_means_kernel(means_params p) {
+// Tiles: where each tile's valid count comes from, tile_geometry (one grid) or packed_tiles (a packed batch's table).
+template <class E, int D, class Tiles> __global__ void __launch_bounds__(tile_row_threads)
+    block_means_kernel(means_params p, Tiles geo) {
   using L = tile_row_layout<D>;
   __shared__ __align__(16) float partial[L::groups][D];
-  const int64_t tiles = p.geo.num_tiles();
+  const int64_t tiles = geo.num_tiles();
   const int64_t slots = p.q.heads + p.k.heads + p.v.heads;
   const int64_t items = p.batch * tiles * slots;
   const int group = threadIdx.x / L::vectors, vec = threadIdx.x % L::vectors;
@@ -81,7 +90,7 @@ template <class E, int D> __global__ void __launch_bounds__(tile_row_threads) bl
     const bool is_q = h < p.q.heads, is_k = !is_q && h < p.q.heads + p.k.heads;
     h -= is_q ? 0 : (is_k ? p.q.heads : p.q.heads + p.k.heads);
     const means_source src = pick(p, is_q, is_k);
-    const int valid = p.geo.valid(n);
+    const int valid = geo.valid(n);
     const uint4* row0 = src.x.row(b, n * tile_tokens, h) + vec;
 
     // All loads first, so that a thread has its rows in flight together.
@@ -113,6 +122,27 @@ template <class E, int D> __global__ void __launch_bounds__(tile_row_threads) bl
 } // namespace detail
 } // namespace gpu
 
+namespace detail {
+
+// The kernel over the tiles of `geo` (tile_geometry or gpu::detail::packed_tiles), the arguments checked.
+template <class Tiles> status launch_block_means(const problem& p, const Tiles& geo, const_tensor q, const_tensor k,
+                                                 const_tensor v, void* q_c, void* k_c, void* v_c, float* q_c_f32,
+                                                 float* k_c_f32, gpu::stream_t stream) {
+  namespace gd = gpu::detail;
+  const gd::means_params mp{{gd::make_vector_view<const uint4>(q), static_cast<uint16_t*>(q_c), q_c_f32, p.q_heads},
+                            {gd::make_vector_view<const uint4>(k), static_cast<uint16_t*>(k_c), k_c_f32, p.kv_heads},
+                            {gd::make_vector_view<const uint4>(v), static_cast<uint16_t*>(v_c), nullptr, p.kv_heads},
+                            p.batch};
+  const unsigned blocks = gd::grid_blocks(p.batch * geo.num_tiles() * (p.q_heads + 2 * p.kv_heads));
+  return gd::dispatch_element(p.type, [&](auto element) {
+    using E = decltype(element);
+    const auto kernel = p.head_dim == 64 ? gd::block_means_kernel<E, 64, Tiles> : gd::block_means_kernel<E, 128, Tiles>;
+    return gpu::launch("block_means", kernel, blocks, gd::tile_row_threads, 0, stream, false, mp, geo);
+  });
+}
+
+} // namespace detail
+
 // q_c [B, Hq, N, D], k_c and v_c [B, Hkv, N, D], contiguous, in p.type: the mean of each tile's valid tokens
 // of the tiled tensors q [B, N·64, Hq, D], k and v [B, N·64, Hkv, D], accumulated in fp32. q_c_f32 and k_c_f32,
 // when not null, receive the same means of q and k unrounded (fp32, same shapes): what coarse_scores takes.
@@ -130,18 +160,7 @@ inline status block_means(const problem& p, const_tensor q, const_tensor k, cons
   if (s && k_c_f32 != nullptr) s = check_pointer("k_c_f32", k_c_f32, 16);
   if (s) s = check_means_disjoint(p, q, k, v, q_c, k_c, v_c, q_c_f32, k_c_f32);
   if (!s) return s;
-  namespace gd = gpu::detail;
-  const gd::means_params mp{{gd::make_vector_view<const uint4>(q), static_cast<uint16_t*>(q_c), q_c_f32, p.q_heads},
-                            {gd::make_vector_view<const uint4>(k), static_cast<uint16_t*>(k_c), k_c_f32, p.kv_heads},
-                            {gd::make_vector_view<const uint4>(v), static_cast<uint16_t*>(v_c), nullptr, p.kv_heads},
-                            geo,
-                            p.batch};
-  const unsigned blocks = gd::grid_blocks(p.batch * geo.num_tiles() * (p.q_heads + 2 * p.kv_heads));
-  return gd::dispatch_element(p.type, [&](auto element) {
-    using E = decltype(element);
-    const auto kernel = p.head_dim == 64 ? gd::block_means_kernel<E, 64> : gd::block_means_kernel<E, 128>;
-    return gpu::launch("block_means", kernel, blocks, gd::tile_row_threads, 0, stream, false, mp);
-  });
+  return detail::launch_block_means(p, geo, q, k, v, q_c, k_c, v_c, q_c_f32, k_c_f32, stream);
 }
 
 // The same without the fp32 means.

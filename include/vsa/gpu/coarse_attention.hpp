@@ -16,6 +16,23 @@ namespace detail {
 
 inline status check_means(const char* name, const void* ptr) { return check_pointer(name, ptr, 16); }
 
+// coarse_scores_kernel on a grid of (key blocks, query blocks, B·Hq) blocks of the layout's scores.
+template <class Layout> status launch_coarse_scores(const problem& p, const gpu::detail::coarse_scores_params& cp,
+                                                    const Layout& layout, int64_t key_blocks, int64_t query_blocks,
+                                                    gpu::stream_t stream) {
+  namespace gd = gpu::detail;
+  const dim3 grid(static_cast<unsigned>(key_blocks), static_cast<unsigned>(query_blocks),
+                  static_cast<unsigned>(p.batch * p.q_heads));
+  const int smem = gd::coarse_scores_smem(static_cast<int>(p.head_dim));
+  const auto run = [&](auto kernel) {
+    status st = gd::prepare(kernel, smem);
+    if (!st) return st;
+    return gpu::launch("coarse scores", kernel, grid, 4 * gpu::warp_mma<gpu::bf16_type, 64>::threads, smem, stream,
+                       false, cp, layout);
+  };
+  return p.head_dim == 64 ? run(gd::coarse_scores_kernel<64, Layout>) : run(gd::coarse_scores_kernel<128, Layout>);
+}
+
 } // namespace detail
 
 // scores [B, Hq, N, N] fp32 = scale · q_c · k_cᵀ (query head h against kv head h / (Hq / Hkv)), from the fp32
@@ -33,17 +50,8 @@ inline status coarse_scores(const problem& p, float scale, const float* q_c, con
   namespace gd = gpu::detail;
   const auto sched = detail::means_schedule(p);
   const int64_t n = sched.length, blocks = sched.tiles;
-  const gd::coarse_scores_params cp{q_c, k_c, scores, p.q_heads, p.q_heads / p.kv_heads, n, scale};
-  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(blocks),
-                  static_cast<unsigned>(p.batch * p.q_heads));
-  const int smem = gd::coarse_scores_smem(static_cast<int>(p.head_dim));
-  const auto run = [&](auto kernel) {
-    status st = gd::prepare(kernel, smem);
-    if (!st) return st;
-    return gpu::launch("coarse scores", kernel, grid, 4 * gpu::warp_mma<gpu::bf16_type, 64>::threads, smem, stream,
-                       false, cp);
-  };
-  return p.head_dim == 64 ? run(gd::coarse_scores_kernel<64>) : run(gd::coarse_scores_kernel<128>);
+  const gd::coarse_scores_params cp{q_c, k_c, scores, p.q_heads, p.q_heads / p.kv_heads, scale};
+  return detail::launch_coarse_scores(p, cp, gd::dense_scores{n}, blocks, blocks, stream);
 }
 
 // o_c [B, Hq, N, D] in p.type and lse_c [B, Hq, N] fp32: the softmax of the scores [B, Hq, N, N] (coarse_scores)

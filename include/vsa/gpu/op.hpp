@@ -58,6 +58,25 @@ struct op_workspace {
   }
 };
 
+// The coarse pass's part of the state (the op's and the packed op's plans, W): the means, o_c and its residual, lse_c
+// and the selected lists of capacity w.capacity, for n tiles of bh query heads and bhk kv heads; take(bytes) gives
+// each its offset.
+template <class W, class Take>
+void take_coarse_state(W& w, const Take& take, const problem& p, std::size_t bh, std::size_t bhk, std::size_t n) {
+  const std::size_t e = dtype_size(p.type), d = static_cast<std::size_t>(p.head_dim);
+  w.q_c = take(bh * n * d * e);
+  w.k_c = take(bhk * n * d * e);
+  w.v_c = take(bhk * n * d * e);
+  // The fp32 means of q and k, from which the scores are formed in the forward and again in the backward.
+  w.q_c32 = take(bh * n * d * sizeof(float));
+  w.k_c32 = take(bhk * n * d * sizeof(float));
+  w.o_c = take(bh * n * d * e);
+  w.o_c_residual = take(bh * n * d * sizeof(int8_t));
+  w.lse_c = take(bh * n * sizeof(float));
+  w.q2k = take(bh * n * static_cast<std::size_t>(w.capacity) * sizeof(int32_t));
+  w.q2k_count = take(bh * n * sizeof(int32_t));
+}
+
 inline status plan_op(const problem& p, const extra_tokens& extra, const options& opt, op_workspace& w) {
   status s = check_problem(p, target::gpu);
   if (s) s = check_extra_tokens(p, extra);
@@ -85,19 +104,7 @@ inline status plan_op(const problem& p, const extra_tokens& extra, const options
     off += align_up(bytes);
     return at;
   };
-  if (w.coarse) {
-    w.q_c = take(bh * n * d * e);
-    w.k_c = take(bhk * n * d * e);
-    w.v_c = take(bhk * n * d * e);
-    // The fp32 means of q and k, from which the scores are formed in the forward and again in the backward.
-    w.q_c32 = take(bh * n * d * sizeof(float));
-    w.k_c32 = take(bhk * n * d * sizeof(float));
-    w.o_c = take(bh * n * d * e);
-    w.o_c_residual = take(bh * n * d * sizeof(int8_t));
-    w.lse_c = take(bh * n * sizeof(float));
-    w.q2k = take(bh * n * w.capacity * sizeof(int32_t));
-    w.q2k_count = take(bh * n * sizeof(int32_t));
-  }
+  if (w.coarse) take_coarse_state(w, take, p, bh, bhk, static_cast<std::size_t>(n));
   const std::size_t t = static_cast<std::size_t>(w.tiles), rows = static_cast<std::size_t>(w.rows);
   if (joint) {
     w.joint_q2k = take(bh * t * t * sizeof(int32_t));

@@ -18,6 +18,7 @@
 #pragma once
 
 #include "joint_attention.hpp"
+#include "select.hpp"
 
 namespace vsa {
 namespace gpu {
@@ -30,9 +31,18 @@ struct packed_table_params {
   int32_t first[packed_table_samples + 1]; // the launch's samples' first tiles, and the tile after the last
   int32_t t[packed_table_samples], h[packed_table_samples], w[packed_table_samples]; // their grids
   int samples;
+  // The whole op's tables (packed_op.hpp), where not null: `info`, top_k_params::info of each tile (with k and z, each
+  // sample's top k and first guess); `blocks`, packed_dense_schedule::blocks of the coarse pass (block_first: the
+  // launch's samples' first blocks, and the block after the last).
+  int4* info;
+  int4* blocks;
+  int32_t k[packed_table_samples];
+  float z[packed_table_samples];
+  int32_t block_first[packed_table_samples + 1];
 };
 
-// Tile t's first row (t·64: the samples' slots follow each other) and its valid count in its sample's grid.
+// Tile t's first row (t·64: the samples' slots follow each other) and its valid count in its sample's grid; the
+// whole op's tables where asked.
 template <int Threads = 256> __global__ void __launch_bounds__(Threads)
     packed_table_kernel(const VSA_GRID_CONSTANT packed_table_params p) {
   const int64_t end = p.first[p.samples];
@@ -42,6 +52,16 @@ template <int Threads = 256> __global__ void __launch_bounds__(Threads)
     while (t >= p.first[s + 1]) ++s;
     const tile_geometry geo(grid3{p.t[s], p.h[s], p.w[s]});
     p.table[t] = make_int2(static_cast<int>(t * tile_rows), geo.valid(t - p.first[s]));
+    if (p.info != nullptr)
+      p.info[t] = make_int4(p.first[s], p.first[s + 1] - p.first[s], p.k[s], __float_as_int(p.z[s]));
+  }
+  if (p.blocks == nullptr) return;
+  for (int64_t c = p.block_first[0] + blockIdx.x * int64_t(Threads) + threadIdx.x; c < p.block_first[p.samples];
+       c += int64_t(gridDim.x) * Threads) {
+    int s = 0;
+    while (c >= p.block_first[s + 1]) ++s;
+    const int n = p.first[s + 1] - p.first[s], row = static_cast<int>(c - p.block_first[s]) * tile_rows;
+    p.blocks[c] = make_int4(p.first[s] + row, n - row < tile_rows ? n - row : tile_rows, p.block_first[s], n);
   }
 }
 
@@ -53,21 +73,42 @@ namespace detail {
 inline int64_t packed_tiles(const problem& whole) { return tile_geometry(whole.grid).num_tiles(); }
 inline std::size_t packed_table_bytes(const problem& whole) { return align_up(sizeof(int2) * packed_tiles(whole)); }
 
-// Writes the batch's tile table (a checked packed_problem).
-inline status launch_packed_table(const packed_problem& pp, int2* table, gpu::stream_t stream) {
-  int64_t first = 0;
+// The whole op's tables beside the tile table (packed_table_params), null where not asked; opt: the op's options, which
+// give each sample its top k (resolve_op_top_k, checked before).
+struct packed_op_tables {
+  int4* info = nullptr;
+  int4* blocks = nullptr;
+  const options* opt = nullptr;
+};
+
+// Writes the batch's tile table (a checked packed_problem), and the whole op's where asked.
+inline status launch_packed_table(const packed_problem& pp, int2* table, gpu::stream_t stream,
+                                  const packed_op_tables& op = {}) {
+  int64_t first = 0, block = 0;
   for (int64_t s0 = 0; s0 < pp.samples; s0 += gpu::detail::packed_table_samples) {
     gpu::detail::packed_table_params tp{};
     tp.table = table;
+    tp.info = op.info;
+    tp.blocks = op.blocks;
     tp.samples = static_cast<int>(std::min<int64_t>(gpu::detail::packed_table_samples, pp.samples - s0));
     tp.first[0] = static_cast<int32_t>(first);
+    tp.block_first[0] = static_cast<int32_t>(block);
     for (int i = 0; i < tp.samples; ++i) { // check_packed_problem: every size below 2^31
       const grid3 g = pp.grids[s0 + i];
       tp.t[i] = static_cast<int32_t>(g.t), tp.h[i] = static_cast<int32_t>(g.h), tp.w[i] = static_cast<int32_t>(g.w);
-      first += tile_geometry(g).num_tiles();
+      const int64_t n = tile_geometry(g).num_tiles();
+      first += n;
+      block += (n + gpu::tile_rows - 1) / gpu::tile_rows;
       tp.first[i + 1] = static_cast<int32_t>(first);
+      tp.block_first[i + 1] = static_cast<int32_t>(block);
+      int64_t k = 0;
+      if (op.info != nullptr && resolve_op_top_k(n, *op.opt, k)) {
+        tp.k[i] = static_cast<int32_t>(k);
+        tp.z[i] = gpu::detail::top_k_first_guess(n, k);
+      }
     }
-    const int64_t tiles = tp.first[tp.samples] - tp.first[0];
+    const int64_t tiles = std::max<int64_t>(tp.first[tp.samples] - tp.first[0],
+                                            op.blocks != nullptr ? tp.block_first[tp.samples] - tp.block_first[0] : 0);
     const status s = gpu::launch("packed tiles", gpu::detail::packed_table_kernel<>,
                                  gpu::detail::grid_blocks((tiles + 255) / 256), 256, 0, stream, false, tp);
     if (!s) return s;

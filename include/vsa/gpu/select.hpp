@@ -42,6 +42,13 @@ __device__ __forceinline__ float key_value(uint32_t key) {
   return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
 }
 
+// What a row takes: its n scores, of which the top k, written as tiles from `first` on.
+struct top_k_row {
+  int n, k;
+  float z; // the warp kernel's first guess: mean + z · standard deviation (top_k_first_guess)
+  int first;
+};
+
 struct top_k_params {
   const float* scores; // [rows, n]
   int64_t rows;
@@ -50,7 +57,20 @@ struct top_k_params {
   int32_t* q2k_count;
   int64_t capacity;
   bool vector_loads; // n % 4 == 0 and scores 16-byte aligned
-  float z;           // the warp kernel's first guess: mean + z · standard deviation (top_k_first_guess)
+  float z;           // top_k_row::z
+  // A packed batch (packed_attention.hpp): row r is tile r mod `tiles` of the batch, and info[tile] = {the sample's
+  // first tile, N_s, k_s, z_s as bits}: the row's first N_s scores are its sample's (of n, the widest sample's), and
+  // its top k_s go to the list as tiles of the batch. The kernels take it where Packed.
+  const int4* info;
+  int64_t tiles;
+  template <bool Packed> __device__ __forceinline__ top_k_row row_of(int64_t row) const {
+    if constexpr (Packed) {
+      const int4 e = info[row % tiles];
+      return {e.y, e.z, __int_as_float(e.w), e.x};
+    } else {
+      return {n, k, z, 0};
+    }
+  }
 };
 
 // Where the k-th largest of n normal scores lies, in standard deviations from their mean: the upper-tail
@@ -64,7 +84,8 @@ inline float top_k_first_guess(int64_t n, int64_t k) {
   return static_cast<float>(q < 0.5 ? x : -x);
 }
 
-template <int Items> __global__ void __launch_bounds__(top_k_threads) top_k_kernel(top_k_params p) {
+template <int Items, bool Packed = false> __global__ void __launch_bounds__(top_k_threads)
+    top_k_kernel(top_k_params p) {
   constexpr int threads = top_k_threads, chunk = threads * Items;
   using count_scan = block_scan<uint32_t, threads>;
   using rank_scan = block_scan<unsigned long long, threads>;
@@ -75,14 +96,16 @@ template <int Items> __global__ void __launch_bounds__(top_k_threads) top_k_kern
   __shared__ uint32_t hist[top_k_bins];
   __shared__ uint32_t found_prefix, found_need, found_exact;
 
-  const bool resident = p.n <= chunk;
   uint32_t key[Items];
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
+    const top_k_row spec = p.row_of<Packed>(row);
+    const int n = spec.n;
+    const bool resident = n <= chunk;
     const float* src = p.scores + row * p.n;
     // Blocked order: thread t holds positions base + t·Items ... base + t·Items + Items - 1.
     const auto load = [&](int base) {
       const int first = base + static_cast<int>(threadIdx.x) * Items;
-      if (Items % 4 == 0 && p.vector_loads && first + Items <= p.n) {
+      if (Items % 4 == 0 && p.vector_loads && first + Items <= n) {
 #pragma unroll
         for (int u = 0; u < Items; u += 4) {
           const float4 f = *reinterpret_cast<const float4*>(src + first + u);
@@ -93,24 +116,24 @@ template <int Items> __global__ void __launch_bounds__(top_k_threads) top_k_kern
         }
       } else {
 #pragma unroll
-        for (int u = 0; u < Items; ++u) key[u] = first + u < p.n ? score_key(src[first + u]) : 0u;
+        for (int u = 0; u < Items; ++u) key[u] = first + u < n ? score_key(src[first + u]) : 0u;
       }
     };
 
     if (resident) load(0);
-    uint32_t prefix = 0, need = static_cast<uint32_t>(p.k);
+    uint32_t prefix = 0, need = static_cast<uint32_t>(spec.k);
     bool exact = false;
     for (int pass = 0; pass < 4 && !exact; ++pass) {
       const int shift = 24 - 8 * pass;
       const uint32_t decided = pass == 0 ? 0u : ~0u << (shift + 8); // digits chosen in earlier passes
       for (int b = threadIdx.x; b < top_k_bins; b += threads) hist[b] = 0u;
       __syncthreads();
-      for (int base = 0; base < p.n; base += chunk) {
+      for (int base = 0; base < n; base += chunk) {
         if (!resident) load(base);
         const int first = base + static_cast<int>(threadIdx.x) * Items;
 #pragma unroll
         for (int u = 0; u < Items; ++u)
-          if (first + u < p.n && ((key[u] ^ prefix) & decided) == 0u) atomicAdd(&hist[(key[u] >> shift) & 0xffu], 1u);
+          if (first + u < n && ((key[u] ^ prefix) & decided) == 0u) atomicAdd(&hist[(key[u] >> shift) & 0xffu], 1u);
       }
       __syncthreads();
       // Digits from the top: scan position q holds digit 255 - q, so `above` counts the larger digits.
@@ -139,13 +162,13 @@ template <int Items> __global__ void __launch_bounds__(top_k_threads) top_k_kern
     const uint32_t tie_key = prefix, tie_need = exact ? 0u : need;
     int32_t* out = p.q2k + row * p.capacity;
     unsigned long long carry = 0; // (taken above the threshold << 32) | (ties seen), over earlier chunks
-    for (int base = 0; base < p.n; base += chunk) {
+    for (int base = 0; base < n; base += chunk) {
       if (!resident) load(base);
       const int first = base + static_cast<int>(threadIdx.x) * Items;
       unsigned long long mine = 0;
 #pragma unroll
       for (int u = 0; u < Items; ++u) {
-        if (first + u >= p.n) continue;
+        if (first + u >= n) continue;
         if (key[u] >= take_from)
           mine += 1ull << 32;
         else if (key[u] == tie_key)
@@ -158,19 +181,19 @@ template <int Items> __global__ void __launch_bounds__(top_k_threads) top_k_kern
       uint32_t above = static_cast<uint32_t>(before >> 32), ties = static_cast<uint32_t>(before);
 #pragma unroll
       for (int u = 0; u < Items; ++u) {
-        if (first + u >= p.n) continue;
+        if (first + u >= n) continue;
         if (key[u] >= take_from) {
-          out[above + (ties < tie_need ? ties : tie_need)] = first + u;
+          out[above + (ties < tie_need ? ties : tie_need)] = spec.first + first + u;
           ++above;
         } else if (key[u] == tie_key) {
-          if (ties < tie_need) out[above + ties] = first + u;
+          if (ties < tie_need) out[above + ties] = spec.first + first + u;
           ++ties;
         }
       }
       __syncthreads(); // temp is reused by the next chunk or row
     }
-    for (int64_t c = p.k + threadIdx.x; c < p.capacity; c += threads) out[c] = -1;
-    if (threadIdx.x == 0) p.q2k_count[row] = p.k;
+    for (int64_t c = spec.k + threadIdx.x; c < p.capacity; c += threads) out[c] = -1;
+    if (threadIdx.x == 0) p.q2k_count[row] = spec.k;
   }
 }
 
@@ -191,14 +214,16 @@ template <int Items> __global__ void __launch_bounds__(top_k_threads) top_k_kern
 inline constexpr int top_k_warp_max_n = 1024;
 inline constexpr int top_k_interpolation_steps = 16;
 
-template <int Items> __global__ void __launch_bounds__(top_k_threads) top_k_warp_kernel(top_k_params p) {
+template <int Items, bool Packed = false> __global__ void __launch_bounds__(top_k_threads)
+    top_k_warp_kernel(top_k_params p) {
   constexpr int warps = top_k_threads / warp_size;
   const int lane = static_cast<int>(threadIdx.x) % warp_size;
   const int first = lane * Items;
-  const int valid = p.n - first < 0 ? 0 : (p.n - first < Items ? p.n - first : Items);
-  const uint32_t k = static_cast<uint32_t>(p.k);
   for (int64_t row = int64_t(blockIdx.x) * warps + threadIdx.x / warp_size; row < p.rows;
        row += int64_t(gridDim.x) * warps) {
+    const top_k_row spec = p.row_of<Packed>(row);
+    const int valid = spec.n - first < 0 ? 0 : (spec.n - first < Items ? spec.n - first : Items);
+    const uint32_t k = static_cast<uint32_t>(spec.k);
     const float* src = p.scores + row * p.n + first;
     // Slots past the row's end hold key 0, below every score's key (NaN's is 1), so they are never counted,
     // never at the threshold and never taken: nothing below needs to know which slots are real.
@@ -238,7 +263,7 @@ template <int Items> __global__ void __launch_bounds__(top_k_threads) top_k_warp
     };
 
     // Keys never exceed 0xff800000 (+inf), so kmax + 1 does not wrap.
-    uint32_t lo = warp_min(kmin) + 1u, hi = warp_max(kmax) + 1u, c_lo = static_cast<uint32_t>(p.n), c_hi = 0u;
+    uint32_t lo = warp_min(kmin) + 1u, hi = warp_max(kmax) + 1u, c_lo = static_cast<uint32_t>(spec.n), c_hi = 0u;
     // The search is for where count(>= score) - (k - 1/2) changes sign: g_lo > 0 at lo, g_hi < 0 at hi.
     float g_lo = static_cast<float>(c_lo) - static_cast<float>(k) + 0.5f, g_hi = 0.5f - static_cast<float>(k);
     bool exact = c_lo == k;
@@ -251,13 +276,13 @@ template <int Items> __global__ void __launch_bounds__(top_k_threads) top_k_warp
       sum += shfl_xor(sum, m);
       squares += shfl_xor(squares, m);
     }
-    const float mean = sum / static_cast<float>(p.n);
-    const float sd = sqrtf(fmaxf(squares / static_cast<float>(p.n) - mean * mean, 0.f));
+    const float mean = sum / static_cast<float>(spec.n);
+    const float sd = sqrtf(fmaxf(squares / static_cast<float>(spec.n) - mean * mean, 0.f));
     int last = 0; // which end the previous step moved: 1 lo, 2 hi
     for (int step = 0; !exact && hi - lo > 1u; ++step) {
       const float v_lo = key_value(lo), v_hi = key_value(hi);
-      const float v = step == 0   ? mean + sd * p.z
-                      : step == 1 ? mean + sd * (last == 1 ? p.z + 0.1f : p.z - 0.1f)
+      const float v = step == 0   ? mean + sd * spec.z
+                      : step == 1 ? mean + sd * (last == 1 ? spec.z + 0.1f : spec.z - 0.1f)
                                   : v_lo + __fdividef(g_lo, g_lo - g_hi) * (v_hi - v_lo);
       uint32_t cand;
       if (step >= top_k_interpolation_steps || (__float_as_uint(v) & 0x7f800000u) == 0x7f800000u) {
@@ -301,19 +326,49 @@ template <int Items> __global__ void __launch_bounds__(top_k_threads) top_k_warp
       }
     int32_t* const list = p.q2k + row * p.capacity;
     int32_t* out = list + (before >> 16) + min(ties_before, tie_need);
-    for (uint32_t m = above | ties; m != 0u; m &= m - 1u) *out++ = first + __ffs(m) - 1;
-    for (int64_t c = p.k + lane; c < p.capacity; c += warp_size) list[c] = -1;
-    if (lane == 0) p.q2k_count[row] = p.k;
+    for (uint32_t m = above | ties; m != 0u; m &= m - 1u) *out++ = spec.first + first + __ffs(m) - 1;
+    for (int64_t c = spec.k + lane; c < p.capacity; c += warp_size) list[c] = -1;
+    if (lane == 0) p.q2k_count[row] = spec.k;
   }
 }
 
 // A row of top_k_warp_max_n tiles needs Items - 4 < top_k_warp_max_n / warp_size: wider kernels are never
 // launched, and are not compiled (on AMD's 64-lane wavefronts, Items above 16).
-template <int Items> status launch_top_k_warp(const top_k_params& p, unsigned blocks, stream_t stream) {
+template <int Items, bool Packed = false>
+status launch_top_k_warp(const top_k_params& p, unsigned blocks, stream_t stream) {
   if constexpr ((Items - 4) * warp_size < top_k_warp_max_n)
-    return launch("select_top_k", top_k_warp_kernel<Items>, blocks, top_k_threads, 0, stream, false, p);
+    return launch("select_top_k", top_k_warp_kernel<Items, Packed>, blocks, top_k_threads, 0, stream, false, p);
   else
     return status::error(errc::unsupported, "select_top_k: no kernel of %d items a lane is compiled", Items);
+}
+
+// The warp kernel for rows of up to top_k_warp_max_n scores (p.n: the row stride), else the block kernel.
+template <bool Packed> status launch_top_k(const top_k_params& p, stream_t stream) {
+  if (p.n <= top_k_warp_max_n) {
+    const int64_t warps = top_k_threads / warp_size;
+    const unsigned blocks = grid_blocks((p.rows + warps - 1) / warps);
+    const int64_t items = (p.n + warp_size - 1) / warp_size; // keys a lane holds
+    // Items in steps of 4 (whole 16-byte loads): up to 1024 / 32 on NVIDIA, 1024 / 64 on AMD.
+    switch ((items + 3) / 4) {
+    case 1:
+      return launch_top_k_warp<4, Packed>(p, blocks, stream);
+    case 2:
+      return launch_top_k_warp<8, Packed>(p, blocks, stream);
+    case 3:
+      return launch_top_k_warp<12, Packed>(p, blocks, stream);
+    case 4:
+      return launch_top_k_warp<16, Packed>(p, blocks, stream);
+    case 5:
+      return launch_top_k_warp<20, Packed>(p, blocks, stream);
+    case 6:
+      return launch_top_k_warp<24, Packed>(p, blocks, stream);
+    case 7:
+      return launch_top_k_warp<28, Packed>(p, blocks, stream);
+    default:
+      return launch_top_k_warp<32, Packed>(p, blocks, stream);
+    }
+  }
+  return launch("select_top_k", top_k_kernel<32, Packed>, grid_blocks(p.rows), top_k_threads, 0, stream, false, p);
 }
 
 // No scratch is used. The size reported is not zero, so that a caller following the query-then-run
@@ -356,33 +411,10 @@ inline status select_top_k(const problem& p, int64_t top_k, const float* scores,
                       idx.q2k_count,
                       idx.q2k_capacity,
                       n % 4 == 0 && reinterpret_cast<std::uintptr_t>(scores) % 16 == 0,
-                      gd::top_k_first_guess(n, top_k)};
-  if (n <= gd::top_k_warp_max_n) {
-    const int64_t warps = gd::top_k_threads / gpu::warp_size;
-    const unsigned blocks = gd::grid_blocks((tp.rows + warps - 1) / warps);
-    const int64_t items = (n + gpu::warp_size - 1) / gpu::warp_size; // keys a lane holds
-    // Items in steps of 4 (whole 16-byte loads): up to 1024 / 32 on NVIDIA, 1024 / 64 on AMD.
-    switch ((items + 3) / 4) {
-    case 1:
-      return gd::launch_top_k_warp<4>(tp, blocks, stream);
-    case 2:
-      return gd::launch_top_k_warp<8>(tp, blocks, stream);
-    case 3:
-      return gd::launch_top_k_warp<12>(tp, blocks, stream);
-    case 4:
-      return gd::launch_top_k_warp<16>(tp, blocks, stream);
-    case 5:
-      return gd::launch_top_k_warp<20>(tp, blocks, stream);
-    case 6:
-      return gd::launch_top_k_warp<24>(tp, blocks, stream);
-    case 7:
-      return gd::launch_top_k_warp<28>(tp, blocks, stream);
-    default:
-      return gd::launch_top_k_warp<32>(tp, blocks, stream);
-    }
-  }
-  return gpu::launch("select_top_k", gd::top_k_kernel<32>, gd::grid_blocks(tp.rows), gd::top_k_threads, 0, stream,
-                     false, tp);
+                      gd::top_k_first_guess(n, top_k),
+                      nullptr,
+                      0};
+  return gd::launch_top_k<false>(tp, stream);
 }
 
 } // namespace vsa

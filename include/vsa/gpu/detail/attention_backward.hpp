@@ -196,7 +196,7 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), dq_min_blocks(M
         if constexpr (products_s) {
           M::template nt<W>(st, sq, row0, sk(buf));
         } else {
-          load_scores<M>(st, p.scores + bh * rows_total * rows_total, s, i, s.at(pos), row0, false);
+          load_scores<M>(st, s.scores_of(p.scores, bh), s, i, s.at(pos), row0, false);
         }
       }
       // dS; the columns past the key tile's valid count get P = 0 (a tile whose valid rows fill the width, the
@@ -367,7 +367,7 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), dkdv_min_blocks
     } else {
 #pragma unroll
       for (int e = 0; e < M::score_elems; ++e) dp.x[e] = 0.f;
-      load_scores<M>(st, p.scores + cur_bh * rows_total * rows_total, s, j, cur_i, row0, true);
+      load_scores<M>(st, s.scores_of(p.scores, cur_bh), s, j, cur_i, row0, true);
       M::nt(dp, sv, row0, sdo(buf));
     }
 #pragma unroll

@@ -303,7 +303,7 @@ __global__ void __launch_bounds__((forward_threads<E, D>(hopper_code, Sched::few
         if constexpr (!products_s) {
 #pragma unroll
           for (int bd = 0; bd < bands; ++bd)
-            load_scores<M>(st[bd], p.scores + bh * s.rows_total() * s.rows_total(), s, i, j, band_row(bd), false);
+            load_scores<M>(st[bd], s.scores_of(p.scores, bh), s, i, j, band_row(bd), false);
         } else {
           if (feed.on()) kc.wait();
           if constexpr (bands > 1) { // each fragment of K loaded once for every band (warp_mma::nt_bands)

@@ -56,6 +56,7 @@ inline bool has_narrow_tiles(const tile_geometry& geo) { return step_rows(geo.va
 struct sparse_schedule {
   static constexpr bool joint = false;           // joint_schedule below
   static constexpr bool has_padding_rows = true; // tiled tensors hold all 64 slots of every tile
+  static constexpr bool listed_rows = false;     // a tile's first row is 64·t (with_out_rows; else token0(t))
   static constexpr bool few_blocks = false;      // a block per query tile and head: many waves
   tile_geometry geo;
   const int32_t* list;   // q2k rows (forward, dq) or packed k2q lists (dk, dv)
@@ -132,6 +133,7 @@ private:
 // rows) or, past the end of the tensor, which its map ends at S, zeros.
 struct joint_schedule : sparse_schedule {
   static constexpr bool joint = true;
+  static constexpr bool listed_rows = true;
   int64_t video;       // N
   int64_t video_first; // row of the first video slot (E where the extra tokens come first, else 0)
   int64_t extra_first; // row of the first extra token (0, or N·64)
@@ -271,7 +273,7 @@ with_out_rows(const operand& t, const Sched& s, int64_t b, int64_t h, int64_t i,
     f(rows);
   } else {
     (void)row0, (void)valid;
-    if constexpr (Sched::joint) {
+    if constexpr (Sched::listed_rows) {
       f(tiled_rows{t.at(b, h, s.token0(i)), t.token});
     } else { // the same address; so written, ptxas gave dq from stored dS 16 registers fewer (sm_80, D = 64)
       (void)s;
@@ -293,6 +295,7 @@ __device__ __forceinline__ void with_out_rows(const operand& t, bool raster, con
 
 struct dense_schedule {
   static constexpr bool joint = false;
+  static constexpr bool listed_rows = false;
   static constexpr bool has_padding_rows = false; // the last block's missing rows do not exist in memory
   static constexpr bool few_blocks = true;        // ⌈N/64⌉ blocks a head: usually under one wave of the GPU
   int64_t length;                                 // N rows
@@ -317,6 +320,31 @@ struct dense_schedule {
     end = tiles;
   }
   __device__ __forceinline__ int64_t at(int64_t pos) const { return pos; }
+  // Head bh's scores (load_scores).
+  __device__ __forceinline__ const float* scores_of(const float* scores, int64_t bh) const {
+    return scores + bh * length * length;
+  }
+};
+
+// The coarse pass over a packed batch (packed_attention.hpp): each sample's N_s means are a sequence of their own,
+// ⌈N_s/64⌉ blocks whose query blocks visit the key blocks of their sample only, so that every block's work is that of
+// the sample's own call. length: N, the batch's tiles; tiles: the samples' blocks. A head's scores are [N, width]
+// (gpu::detail::packed_scores), each row's sample's N_s scores first.
+struct packed_dense_schedule : dense_schedule {
+  static constexpr bool listed_rows = true;
+  const int4* blocks; // {first row, valid rows, the sample's first block, the sample's rows N_s} a block
+  int64_t width;
+  __device__ __forceinline__ int64_t token0(int64_t t) const { return blocks[t].x; }
+  __device__ __forceinline__ int valid(int64_t t) const { return blocks[t].y; }
+  __device__ __forceinline__ packed_dense_schedule valid_counter() const { return *this; }
+  __device__ __forceinline__ void range(int64_t, int64_t i, int64_t& begin, int64_t& end) const {
+    const int4 e = blocks[i];
+    begin = e.z;
+    end = e.z + (e.w + 63) / 64;
+  }
+  __device__ __forceinline__ const float* scores_of(const float* scores, int64_t bh) const {
+    return scores + bh * length * width;
+  }
 };
 
 // The dense pass reads its scores instead of forming Q·Kᵀ: coarse_scores computes them beforehand from the fp32
@@ -336,6 +364,20 @@ template <class M> __device__ __forceinline__ void load_scores(typename M::score
     const int64_t r = rows * 64 + row0 + M::elem_row(e), c = cols * 64 + M::elem_col(e);
     const int64_t row = transposed ? c : r, col = transposed ? r : c;
     st.x[e] = r < len && c < len ? scores[row * len + col] : 0.f;
+  }
+}
+// The same over a packed batch's scores (packed_dense_schedule): blocks `rows` and `cols` are of one sample.
+template <class M> __device__ __forceinline__ void load_scores(typename M::score_tile& st, const float* scores,
+                                                               const packed_dense_schedule& s, int64_t rows,
+                                                               int64_t cols, int row0, bool transposed) {
+  const int4 er = s.blocks[rows], ec = s.blocks[cols];
+  const int64_t first = er.x - (rows - er.z) * 64; // the sample's first row
+#pragma unroll
+  for (int e = 0; e < M::score_elems; ++e) {
+    const int r = row0 + M::elem_row(e), c = M::elem_col(e);
+    const int64_t gr = er.x + r, gc = ec.x + c;
+    const int64_t query = transposed ? gc : gr, key = transposed ? gr : gc;
+    st.x[e] = r < er.y && c < ec.y ? scores[query * s.width + (key - first)] : 0.f;
   }
 }
 

@@ -20,9 +20,45 @@ namespace detail {
 struct coarse_scores_params {
   const float* q_c; // [B, Hq, N, D] fp32
   const float* k_c; // [B, Hkv, N, D] fp32
-  float* scores;    // [B, Hq, N, N]
-  int64_t q_heads, group, length;
+  float* scores;    // [B, Hq, N, N] (dense_scores), or [B, Hq, N, width] (packed_scores)
+  int64_t q_heads, group;
   float scale;
+};
+
+// One 64 × 64 block of the scores: its query and key rows of the means, and where it lies in a head's scores.
+struct score_block {
+  int64_t q_row0, k_row0; // the first query and key rows
+  int q_valid, k_valid;   // rows of each (the block's rows and columns past them are not written)
+  int64_t out, stride;    // the block's first score, from the head's first; the row stride
+};
+// One grid: a head's scores are [N, N], block (i, j) of the grid (⌈N/64⌉, ⌈N/64⌉).
+struct dense_scores {
+  int64_t length; // N
+  __host__ __device__ __forceinline__ int64_t head_size() const { return length * length; }
+  __device__ __forceinline__ bool block(int64_t i, int64_t j, score_block& b) const {
+    b.q_row0 = i * 64, b.k_row0 = j * 64;
+    b.q_valid = static_cast<int>(length - b.q_row0 < 64 ? length - b.q_row0 : 64);
+    b.k_valid = static_cast<int>(length - b.k_row0 < 64 ? length - b.k_row0 : 64);
+    b.out = b.q_row0 * length + b.k_row0, b.stride = length;
+    return true;
+  }
+};
+// A packed batch (packed_attention.hpp): row r of a head's [N, width] scores holds its sample's N_s scores first, so
+// that every sample's block of the scores is that of its own call (width: the largest N_s). Blocks (j, i) of the grid
+// (⌈width/64⌉, the samples' query blocks): i one of packed_dense_schedule's blocks, j a key block of its sample.
+struct packed_scores {
+  const int4* blocks; // packed_dense_schedule::blocks
+  int64_t length, width;
+  __host__ __device__ __forceinline__ int64_t head_size() const { return length * width; }
+  __device__ __forceinline__ bool block(int64_t i, int64_t j, score_block& b) const {
+    const int4 e = blocks[i]; // {first row, valid rows, the sample's first block, the sample's rows}
+    if (j * 64 >= e.w) return false;
+    b.q_row0 = e.x, b.q_valid = e.y;
+    b.k_row0 = e.x - (i - e.z) * 64 + j * 64;
+    b.k_valid = e.w - static_cast<int>(j) * 64 < 64 ? e.w - static_cast<int>(j) * 64 : 64;
+    b.out = b.q_row0 * width + j * 64, b.stride = width;
+    return true;
+  }
 };
 
 // Rows [block·64, block·64 + 64) of a [length, D] fp32 array into two bf16 tiles: the bf16 rounding of each
@@ -61,9 +97,9 @@ split_rows(smem_tile<D> hi, smem_tile<D> lo, const float* src, int64_t block, in
   }
 }
 
-// Grid: (key blocks, query blocks, B·Hq).
-template <int D> __global__ void __launch_bounds__((4 * warp_mma<bf16_type, D>::threads))
-    coarse_scores_kernel(coarse_scores_params p) {
+// Grid: (key blocks, query blocks, B·Hq), as the Layout (dense_scores, packed_scores) numbers them.
+template <int D, class Layout = dense_scores> __global__ void __launch_bounds__((4 * warp_mma<bf16_type, D>::threads))
+    coarse_scores_kernel(coarse_scores_params p, Layout layout) {
   using M = attention_mma<bf16_type, D>;
   constexpr int nthreads = 4 * M::threads;
   extern __shared__ uint4 smem_raw[];
@@ -71,11 +107,13 @@ template <int D> __global__ void __launch_bounds__((4 * warp_mma<bf16_type, D>::
   const smem_tile<D> q_hi{sm}, q_lo{sm + 64 * D}, k_hi{sm + 2 * 64 * D}, k_lo{sm + 3 * 64 * D};
   const int64_t j = blockIdx.x, i = blockIdx.y, bh = blockIdx.z, b = bh / p.q_heads, h = bh % p.q_heads;
   const int tid = static_cast<int>(threadIdx.x) % nthreads, row0 = (tid / M::threads) * 16;
-  const float* q = p.q_c + bh * p.length * D;
-  const float* k = p.k_c + (b * (p.q_heads / p.group) + h / p.group) * p.length * D;
+  score_block blk;
+  if (!layout.block(i, j, blk)) return; // the whole block: no key block of this sample
+  const float* q = p.q_c + bh * layout.length * D;
+  const float* k = p.k_c + (b * (p.q_heads / p.group) + h / p.group) * layout.length * D;
 
-  split_rows<D, nthreads>(q_hi, q_lo, q, i, p.length, tid);
-  split_rows<D, nthreads>(k_hi, k_lo, k, j, p.length, tid);
+  split_rows<D, nthreads>(q_hi, q_lo, q + blk.q_row0 * D, 0, blk.q_valid, tid);
+  split_rows<D, nthreads>(k_hi, k_lo, k + blk.k_row0 * D, 0, blk.k_valid, tid);
   stores_to_matrix_fence();
   __syncthreads();
   typename M::score_tile st;
@@ -85,19 +123,19 @@ template <int D> __global__ void __launch_bounds__((4 * warp_mma<bf16_type, D>::
   M::nt(st, q_hi, row0, k_lo);
   M::nt(st, q_lo, row0, k_hi);
   // Elements e and e + 1 (e even) are neighbours in one row in every accumulator layout: one 8-byte store
-  // where the row length keeps it aligned.
-  float* out = p.scores + bh * p.length * p.length;
-  const bool pairs = p.length % 2 == 0;
+  // where the row stride keeps it aligned (a block's first score is then at an even offset too).
+  float* out = p.scores + bh * layout.head_size() + blk.out;
+  const bool pairs = blk.stride % 2 == 0;
 #pragma unroll
   for (int e = 0; e < M::score_elems; e += 2) {
-    const int64_t r = i * 64 + row0 + M::elem_row(e), c = j * 64 + M::elem_col(e);
-    if (r >= p.length) continue;
+    const int r = row0 + M::elem_row(e), c = M::elem_col(e);
+    if (r >= blk.q_valid) continue;
     const float x0 = st.x[e] * p.scale, x1 = st.x[e + 1] * p.scale;
-    if (pairs && c + 1 < p.length) {
-      *reinterpret_cast<float2*>(out + r * p.length + c) = make_float2(x0, x1);
+    if (pairs && c + 1 < blk.k_valid) {
+      *reinterpret_cast<float2*>(out + r * blk.stride + c) = make_float2(x0, x1);
     } else {
-      if (c < p.length) out[r * p.length + c] = x0;
-      if (c + 1 < p.length) out[r * p.length + c + 1] = x1;
+      if (c < blk.k_valid) out[r * blk.stride + c] = x0;
+      if (c + 1 < blk.k_valid) out[r * blk.stride + c + 1] = x1;
     }
   }
 }

@@ -1,0 +1,145 @@
+// The whole op's forward over a packed batch on the GPU (packed_op.hpp) against each sample's own forward() on the same
+// slots: the selected lists equal (as tiles of the batch), o bit for bit where the samples agree on the sparse kernels'
+// kind, within rounding where they do not; one sample against the CPU reference. The packed configurations of
+// test_packed.cpp (partial tiles on every axis, GQA, both layouts, dtypes and head dims, 70 samples), a gate, poisoned
+// outputs and workspace, canaries; options the batch cannot take rejected with their message.
+#include "support/gpu.hpp"
+#include "support/host.hpp"
+#include "support/packed.hpp"
+
+#include <vsa/gpu/packed_op.hpp>
+#include <vsa/reference.hpp>
+
+#include <vector>
+
+namespace vsa {
+namespace test {
+namespace {
+
+// Sample s's rows of a packed lists' buffer, its entries as tiles of its own.
+std::vector<int32_t> own_rows(const std::vector<int32_t>& q2k, const std::vector<int32_t>& count, int64_t capacity,
+                              const packed_config& c, const batch_layout& b, std::size_t s) {
+  std::vector<int32_t> r;
+  for (int64_t h = 0; h < c.q_heads; ++h)
+    for (int64_t i = 0; i < b.tiles[s]; ++i) {
+      const int64_t row = h * b.total + b.first[s] + i;
+      r.push_back(count[row]);
+      for (int32_t e = 0; e < count[row]; ++e) r.push_back(q2k[row * capacity + e] - static_cast<int32_t>(b.first[s]));
+    }
+  return r;
+}
+
+// The same of one sample's own lists.
+std::vector<int32_t> rows_of(const std::vector<int32_t>& q2k, const std::vector<int32_t>& count, int64_t capacity,
+                             int64_t rows) {
+  std::vector<int32_t> r;
+  for (int64_t row = 0; row < rows; ++row) {
+    r.push_back(count[row]);
+    for (int32_t e = 0; e < count[row]; ++e) r.push_back(q2k[row * capacity + e]);
+  }
+  return r;
+}
+
+void check_packed_op(const packed_config& c) {
+  INFO(describe(c));
+  VSA_TEST_RNG(g, "packed op");
+  const packed_problem pp = make_packed(c);
+  const batch_layout b(c.grids);
+  const host_tensor q = packed_input(c, b, c.q_heads, g), k = packed_input(c, b, c.kv_heads, g),
+                    v = packed_input(c, b, c.kv_heads, g), gate = packed_input(c, b, c.q_heads, g);
+  const device_tensor dq_in(q), dk_in(k), dv_in(v), dgate(gate);
+  options opt;
+  opt.sparsity = 0.75;
+
+  device_tensor o(q, poisoned), o_own(q, poisoned);
+  std::size_t bytes = 0;
+  REQUIRE(packed_forward(pp, opt, forward_io{}, nullptr, bytes, nullptr).is_ok());
+  device_buffer ws(bytes);
+  ws.poison();
+  const forward_io io{dq_in.cview(), dk_in.cview(), dv_in.cview(), dgate.cview(), o.view()};
+  status st = packed_forward(pp, opt, io, ws.get(), bytes, nullptr);
+  INFO(st.message());
+  REQUIRE(st.is_ok());
+  VSA_REQUIRE_RT(gpu_sync());
+  CHECK(o.all_written());
+  CHECK(o.canaries_intact());
+  CHECK(ws.canaries_intact());
+  const_index_lists lists;
+  REQUIRE(packed_selected_lists(pp, opt, ws.get(), lists).is_ok());
+  const int64_t rows = c.q_heads * b.total;
+  std::vector<int32_t> q2k(static_cast<std::size_t>(rows * lists.q2k_capacity)), count(static_cast<std::size_t>(rows));
+  VSA_REQUIRE_RT(copy_to_host(q2k.data(), lists.q2k, q2k.size() * sizeof(int32_t)));
+  VSA_REQUIRE_RT(copy_to_host(count.data(), lists.q2k_count, count.size() * sizeof(int32_t)));
+
+  std::vector<int32_t> q2k0, count0; // the first sample's own lists, for the reference
+  int64_t capacity0 = 0;
+  for (std::size_t s = 0; s < c.grids.size(); ++s) {
+    INFO("sample " << s);
+    const problem ps = make_problem(c.grids[s], 1, c.q_heads, c.kv_heads, c.head_dim, c.type);
+    std::size_t own_bytes = 0;
+    REQUIRE(forward(ps, opt, forward_io{}, nullptr, own_bytes, nullptr).is_ok());
+    device_buffer own_ws(own_bytes);
+    const forward_io own{sample_view(dq_in.cview(), b, s, c.type), sample_view(dk_in.cview(), b, s, c.type),
+                         sample_view(dv_in.cview(), b, s, c.type), sample_view(dgate.cview(), b, s, c.type),
+                         sample_view(o_own.view(), b, s, c.type)};
+    st = forward(ps, opt, own, own_ws.get(), own_bytes, nullptr);
+    INFO(st.message());
+    REQUIRE(st.is_ok());
+    const_index_lists own_lists;
+    REQUIRE(selected_lists(ps, opt, own_ws.get(), own_lists).is_ok());
+    const int64_t own_rows_n = c.q_heads * b.tiles[s];
+    std::vector<int32_t> own_q2k(static_cast<std::size_t>(own_rows_n * own_lists.q2k_capacity)),
+        own_count(static_cast<std::size_t>(own_rows_n));
+    VSA_REQUIRE_RT(copy_to_host(own_q2k.data(), own_lists.q2k, own_q2k.size() * sizeof(int32_t)));
+    VSA_REQUIRE_RT(copy_to_host(own_count.data(), own_lists.q2k_count, own_count.size() * sizeof(int32_t)));
+    // The selection is exact: the same tiles, whatever the kernels.
+    CHECK(own_rows(q2k, count, lists.q2k_capacity, c, b, s) ==
+          rows_of(own_q2k, own_count, own_lists.q2k_capacity, own_rows_n));
+    if (s == 0) q2k0 = own_q2k, count0 = own_count, capacity0 = own_lists.q2k_capacity;
+  }
+  VSA_REQUIRE_RT(gpu_sync());
+  check_against_samples(c, b, "o", o, o_own);
+
+  // The first sample against the CPU reference of the whole op, on the lists the GPU selected (near-tied coarse
+  // scores may rank differently in the reference's double precision).
+  const problem p0 = make_problem(c.grids[0], 1, c.q_heads, c.kv_heads, c.head_dim, c.type);
+  const host_tensor q0 = sample_of(q, b, 0), k0 = sample_of(k, b, 0), v0 = sample_of(v, b, 0),
+                    g0 = sample_of(gate, b, 0);
+  host_tensor o_ref = q0;
+  const const_index_lists lists0{q2k0.data(), count0.data(), capacity0, nullptr, nullptr};
+  const forward_io rio{q0.view(), k0.view(), v0.view(), g0.view(), o_ref.view()};
+  std::size_t ref_bytes = 0;
+  REQUIRE(reference::forward_on_lists(p0, opt, rio, lists0, nullptr, ref_bytes).is_ok());
+  aligned_buffer ref_ws(ref_bytes);
+  st = reference::forward_on_lists(p0, opt, rio, lists0, ref_ws.data(), ref_bytes);
+  INFO(st.message());
+  REQUIRE(st.is_ok());
+  CHECK(rel_error(sample_of(o.download(), b, 0), o_ref) < 1e-2);
+}
+
+TEST_CASE("a packed batch's whole-op forward is its samples' own", "[gpu][packed][op]") {
+  for (const packed_config& c : packed_configs()) check_packed_op(c);
+}
+
+TEST_CASE("the packed op rejects what a packed batch cannot take", "[gpu][packed][op]") {
+  const packed_config c = packed_configs()[0];
+  const packed_problem pp = make_packed(c);
+  std::size_t bytes = 0;
+  options opt;
+  opt.top_k = 1000; // past every sample's tiles
+  status st = packed_forward(pp, opt, forward_io{}, nullptr, bytes, nullptr);
+  CHECK(st.code() == errc::bad_top_k);
+  CHECK(mentions(st, "grids[0]"));
+  opt = options{};
+  opt.output_order = token_order::raster;
+  st = packed_forward(pp, opt, forward_io{}, nullptr, bytes, nullptr);
+  CHECK(st.code() == errc::unsupported);
+  CHECK(mentions(st, "output_order"));
+  packed_problem none = pp;
+  none.samples = 0;
+  CHECK(packed_forward(none, options{}, forward_io{}, nullptr, bytes, nullptr).code() == errc::bad_batch);
+}
+
+} // namespace
+} // namespace test
+} // namespace vsa
