@@ -1,8 +1,9 @@
 // The whole op's forward over a packed batch on the GPU (packed_op.hpp) against each sample's own forward() on the same
 // slots: the selected lists equal (as tiles of the batch), o bit for bit where the samples agree on the sparse kernels'
-// kind, within rounding where they do not; one sample against the CPU reference. The packed configurations of
-// test_packed.cpp (partial tiles on every axis, GQA, both layouts, dtypes and head dims, 70 samples), a gate, poisoned
-// outputs and workspace, canaries; options the batch cannot take rejected with their message.
+// kind, within rounding where they do not; the means, o_c and lse_c bit for bit; one sample against the CPU reference.
+// The packed configurations of test_packed.cpp (partial tiles on every axis, GQA, both layouts, dtypes and head dims,
+// 70 samples) and samples past one coarse block (up to 1,152 tiles), a gate, poisoned outputs and workspace, canaries;
+// options the batch cannot take rejected with their message.
 #include "support/gpu.hpp"
 #include "support/host.hpp"
 #include "support/packed.hpp"
@@ -10,6 +11,7 @@
 #include <vsa/gpu/packed_op.hpp>
 #include <vsa/reference.hpp>
 
+#include <cstring>
 #include <vector>
 
 namespace vsa {
@@ -27,6 +29,26 @@ std::vector<int32_t> own_rows(const std::vector<int32_t>& q2k, const std::vector
       for (int32_t e = 0; e < count[row]; ++e) r.push_back(q2k[row * capacity + e] - static_cast<int32_t>(b.first[s]));
     }
   return r;
+}
+
+// Bytes [at, at + n) of device memory.
+std::vector<unsigned char> bytes_at(const void* base, std::size_t at, std::size_t n) {
+  std::vector<unsigned char> r(n);
+  VSA_REQUIRE_RT(copy_to_host(r.data(), static_cast<const unsigned char*>(base) + at, n));
+  return r;
+}
+
+// Whether sample s's rows of a packed state array ([heads, N, row_bytes] at `packed`) equal its own call's ([heads,
+// N_s, row_bytes] at `own`), bit for bit.
+bool same_rows(const void* packed_state, std::size_t packed, const void* own_state, std::size_t own, int64_t heads,
+               std::size_t row_bytes, const batch_layout& b, std::size_t s) {
+  const std::size_t n = static_cast<std::size_t>(b.total), ns = static_cast<std::size_t>(b.tiles[s]);
+  const std::vector<unsigned char> x = bytes_at(packed_state, packed, heads * n * row_bytes),
+                                   y = bytes_at(own_state, own, heads * ns * row_bytes);
+  for (int64_t h = 0; h < heads; ++h)
+    if (std::memcmp(x.data() + (h * n + b.first[s]) * row_bytes, y.data() + h * ns * row_bytes, ns * row_bytes) != 0)
+      return false;
+  return true;
 }
 
 // The same of one sample's own lists.
@@ -71,6 +93,9 @@ void check_packed_op(const packed_config& c) {
   VSA_REQUIRE_RT(copy_to_host(q2k.data(), lists.q2k, q2k.size() * sizeof(int32_t)));
   VSA_REQUIRE_RT(copy_to_host(count.data(), lists.q2k_count, count.size() * sizeof(int32_t)));
 
+  detail::packed_op_workspace pw;
+  REQUIRE(detail::plan_packed_op(pp, opt, pw).is_ok());
+  const std::size_t e = dtype_size(c.type), d = static_cast<std::size_t>(c.head_dim);
   std::vector<int32_t> q2k0, count0; // the first sample's own lists, for the reference
   int64_t capacity0 = 0;
   for (std::size_t s = 0; s < c.grids.size(); ++s) {
@@ -96,6 +121,14 @@ void check_packed_op(const packed_config& c) {
     CHECK(own_rows(q2k, count, lists.q2k_capacity, c, b, s) ==
           rows_of(own_q2k, own_count, own_lists.q2k_capacity, own_rows_n));
     if (s == 0) q2k0 = own_q2k, count0 = own_count, capacity0 = own_lists.q2k_capacity;
+    // The coarse pass's state: the means, o_c and lse_c, bit for bit.
+    detail::op_workspace ow;
+    REQUIRE(detail::plan_op(ps, extra_tokens{}, opt, ow).is_ok());
+    CHECK(same_rows(ws.get(), pw.q_c, own_ws.get(), ow.q_c, c.q_heads, d * e, b, s));
+    CHECK(same_rows(ws.get(), pw.k_c, own_ws.get(), ow.k_c, c.kv_heads, d * e, b, s));
+    CHECK(same_rows(ws.get(), pw.v_c, own_ws.get(), ow.v_c, c.kv_heads, d * e, b, s));
+    CHECK(same_rows(ws.get(), pw.o_c, own_ws.get(), ow.o_c, c.q_heads, d * e, b, s));
+    CHECK(same_rows(ws.get(), pw.lse_c, own_ws.get(), ow.lse_c, c.q_heads, sizeof(float), b, s));
   }
   VSA_REQUIRE_RT(gpu_sync());
   check_against_samples(c, b, "o", o, o_own);
@@ -117,8 +150,18 @@ void check_packed_op(const packed_config& c) {
   CHECK(rel_error(sample_of(o.download(), b, 0), o_ref) < 1e-2);
 }
 
+// The sparse pass's configurations, and samples past one coarse block of 64 tiles: key blocks past the first and
+// partial last blocks (216 and 125 tiles, every sample narrow), and a sample of 1,152 tiles, whose rows take the block
+// top-k kernel, beside one of 3.
+std::vector<packed_config> op_configs() {
+  std::vector<packed_config> c = packed_configs();
+  c.push_back({{{5, 6, 7}, {21, 22, 23}, {17, 18, 18}}, 2, 1, 64, dtype::bf16, layout::bshd, true});
+  c.push_back({{{3, 4, 9}, {48, 48, 32}}, 2, 2, 128, dtype::fp16, layout::bhsd, false});
+  return c;
+}
+
 TEST_CASE("a packed batch's whole-op forward is its samples' own", "[gpu][packed][op]") {
-  for (const packed_config& c : packed_configs()) check_packed_op(c);
+  for (const packed_config& c : op_configs()) check_packed_op(c);
 }
 
 TEST_CASE("the packed op rejects what a packed batch cannot take", "[gpu][packed][op]") {

@@ -167,21 +167,29 @@ inline std::size_t whole_workspace_bytes(const op_workspace& w, bool backward) {
 
 // The one-workspace form of a pass: a size query, or `pass` run with the plan on the state at the workspace's
 // start and the scratch after it.
-template <class Pass> status in_one_workspace(const problem& p, const extra_tokens& extra, const options& opt,
-                                              bool backward, void* workspace, std::size_t& workspace_bytes,
-                                              const Pass& pass) {
-  op_workspace w;
-  status s = plan_op(p, extra, opt, w);
-  if (!s) return s;
-  const std::size_t whole = whole_workspace_bytes(w, backward);
+// The one-workspace form on a plan of `state_bytes` of state and `whole` bytes in all: the size query, or pass(buffers)
+// with the state at the workspace's start and the scratch after it.
+template <class Pass> status split_workspace(void* workspace, std::size_t& workspace_bytes, std::size_t state_bytes,
+                                             std::size_t whole, const Pass& pass) {
   if (workspace == nullptr) {
     workspace_bytes = whole;
     return status::ok();
   }
-  if (!(s = check_workspace(workspace, workspace_bytes, whole))) return s;
-  op_buffers b{workspace, w.state_bytes, static_cast<unsigned char*>(workspace) + w.state_bytes,
-               workspace_bytes - w.state_bytes};
-  return pass(w, b);
+  const status s = check_workspace(workspace, workspace_bytes, whole);
+  if (!s) return s;
+  op_buffers b{workspace, state_bytes, static_cast<unsigned char*>(workspace) + state_bytes,
+               workspace_bytes - state_bytes};
+  return pass(b);
+}
+
+template <class Pass> status in_one_workspace(const problem& p, const extra_tokens& extra, const options& opt,
+                                              bool backward, void* workspace, std::size_t& workspace_bytes,
+                                              const Pass& pass) {
+  op_workspace w;
+  const status s = plan_op(p, extra, opt, w);
+  if (!s) return s;
+  return split_workspace(workspace, workspace_bytes, w.state_bytes, whole_workspace_bytes(w, backward),
+                         [&](op_buffers& b) { return pass(w, b); });
 }
 
 inline status check_buffers(const op_buffers& b, std::size_t state_bytes, std::size_t scratch_bytes) {

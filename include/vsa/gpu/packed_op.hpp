@@ -63,6 +63,11 @@ inline status plan_packed_op(const packed_problem& pp, const options& opt, packe
       w.capacity = std::max(w.capacity, k);
     }
   }
+  // The coarse scores' grid takes the query blocks as its y dimension (launch_coarse_scores).
+  if (w.coarse && w.blocks > 65535)
+    return status::error(errc::unsupported,
+                         "grids: the samples' %lld blocks of 64 tiles exceed the coarse pass's 65535",
+                         (long long)w.blocks);
   if (!w.coarse) {
     w.capacity = opt.q2k.q2k_capacity;
     if (!(s = check_q2k_capacity(p, w.capacity))) return s;
@@ -92,9 +97,9 @@ inline status plan_packed_op(const packed_problem& pp, const options& opt, packe
 }
 
 // A template only so that its kernels are instantiated where the packed op is called (packed_forward).
-template <class = void>
-status packed_forward_planned(const packed_problem& pp, const options& opt, const packed_op_workspace& w,
-                              const forward_io& io, op_buffers& buffers, gpu::stream_t stream) {
+template <class = void> status packed_forward_planned(const packed_problem& pp, const options& opt,
+                                                      const packed_op_workspace& w, const forward_io& io,
+                                                      op_buffers& buffers, gpu::stream_t stream) {
   if (buffers.state == nullptr) {
     buffers.state_bytes = w.state_bytes;
     buffers.scratch_bytes = w.forward_scratch_bytes;
@@ -195,17 +200,11 @@ template <class = void> status packed_forward(const packed_problem& pp, const op
 template <class = void> status packed_forward(const packed_problem& pp, const options& opt, const forward_io& io,
                                               void* workspace, std::size_t& workspace_bytes, gpu::stream_t stream) {
   detail::packed_op_workspace w;
-  status s = detail::plan_packed_op(pp, opt, w);
+  const status s = detail::plan_packed_op(pp, opt, w);
   if (!s) return s;
-  const std::size_t whole = w.state_bytes + w.forward_scratch_bytes;
-  if (workspace == nullptr) {
-    workspace_bytes = whole;
-    return status::ok();
-  }
-  if (!(s = check_workspace(workspace, workspace_bytes, whole))) return s;
-  op_buffers b{workspace, w.state_bytes, static_cast<unsigned char*>(workspace) + w.state_bytes,
-               workspace_bytes - w.state_bytes};
-  return detail::packed_forward_planned(pp, opt, w, io, b, stream);
+  return detail::split_workspace(
+      workspace, workspace_bytes, w.state_bytes, w.state_bytes + w.forward_scratch_bytes,
+      [&](op_buffers& b) { return detail::packed_forward_planned(pp, opt, w, io, b, stream); });
 }
 
 // The q2k lists the packed forward selected (tiles of the batch; capacity the largest k_s, each row's count its

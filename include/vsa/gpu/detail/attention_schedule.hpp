@@ -335,7 +335,8 @@ struct packed_dense_schedule : dense_schedule {
   const int4* blocks; // {first row, valid rows, the sample's first block, the sample's rows N_s} a block
   int64_t width;
   __device__ __forceinline__ int64_t token0(int64_t t) const { return blocks[t].x; }
-  __device__ __forceinline__ int valid(int64_t t) const { return blocks[t].y; }
+  // t = -1 past a walk's end (the forward reads the next step's count unconditionally), as the other schedules.
+  __device__ __forceinline__ int valid(int64_t t) const { return t < 0 ? 0 : blocks[t].y; }
   __device__ __forceinline__ packed_dense_schedule valid_counter() const { return *this; }
   __device__ __forceinline__ void range(int64_t, int64_t i, int64_t& begin, int64_t& end) const {
     const int4 e = blocks[i];
