@@ -107,8 +107,8 @@ inline status launch_packed_table(const packed_problem& pp, int2* table, gpu::st
         tp.z[i] = gpu::detail::top_k_first_guess(n, k);
       }
     }
-    const int64_t tiles = std::max<int64_t>(tp.first[tp.samples] - tp.first[0],
-                                            op.blocks != nullptr ? tp.block_first[tp.samples] - tp.block_first[0] : 0);
+    // A grid over the tiles covers the coarse blocks too: a sample has at most as many blocks as tiles.
+    const int64_t tiles = tp.first[tp.samples] - tp.first[0];
     const status s = gpu::launch("packed tiles", gpu::detail::packed_table_kernel<>,
                                  gpu::detail::grid_blocks((tiles + 255) / 256), 256, 0, stream, false, tp);
     if (!s) return s;
