@@ -92,7 +92,9 @@ struct inputs {
   problem p;
   int64_t k, tokens;
   buffer q, kk, v, o, d_o, dq, dk, dv;
-  tensor view(const buffer& b, int64_t heads) const { return bshd(b.get(), p.batch, tokens, heads, p.head_dim); }
+  tensor view(const buffer& b, int64_t heads, int64_t rows = 0) const {
+    return bshd(b.get(), p.batch, rows > 0 ? rows : tokens, heads, p.head_dim);
+  }
   explicit inputs(const shape& s, int64_t extra = 0)
       : p(anchor_problem(s)), k(resolve_top_k(tile_geometry(p.grid).num_tiles(), options{})),
         tokens(tile_geometry(p.grid).tiled_tokens() + extra) {
@@ -162,8 +164,10 @@ inline void time_sparse_backward(benchmark::State& state, inputs& in, const devi
 // joint op (joint_forward, joint_backward).
 inline void time_op(benchmark::State& state, inputs& in, const options& opt, bool backward_pass, bool host,
                     extra_tokens extra = {}) {
+  // o and the gradients hold the raster tokens where the options ask for raster order (options::output_order).
+  const int64_t out = opt.output_order == token_order::raster ? tile_geometry(in.p.grid).raster_tokens() : 0;
   forward_io fio{as_const(in.view(in.q, in.p.q_heads)), as_const(in.view(in.kk, in.p.kv_heads)),
-                 as_const(in.view(in.v, in.p.kv_heads)), const_tensor{}, in.view(in.o, in.p.q_heads)};
+                 as_const(in.view(in.v, in.p.kv_heads)), const_tensor{}, in.view(in.o, in.p.q_heads, out)};
   std::size_t fbytes = 0, bbytes = 0;
   check(joint_forward(in.p, extra, opt, fio, nullptr, fbytes, nullptr), "forward workspace size");
   backward_io bio{fio.q,
@@ -172,9 +176,9 @@ inline void time_op(benchmark::State& state, inputs& in, const options& opt, boo
                   const_tensor{},
                   as_const(fio.o),
                   as_const(in.view(in.d_o, in.p.q_heads)),
-                  in.view(in.dq, in.p.q_heads),
-                  in.view(in.dk, in.p.kv_heads),
-                  in.view(in.dv, in.p.kv_heads),
+                  in.view(in.dq, in.p.q_heads, out),
+                  in.view(in.dk, in.p.kv_heads, out),
+                  in.view(in.dv, in.p.kv_heads, out),
                   tensor{}};
   check(joint_backward(in.p, extra, opt, bio, nullptr, bbytes, nullptr), "backward workspace size");
   buffer ws(std::max(fbytes, bbytes));

@@ -117,6 +117,13 @@ void op_forward_backward(benchmark::State& state, const shape& s, bool backward_
   time_op(state, inputs_of(s), options{}, backward_pass, host);
 }
 
+// The same with o and the gradients in raster order (options::output_order): the epilogues place each row at its token.
+void op_raster(benchmark::State& state, const shape& s, bool backward_pass) {
+  options opt;
+  opt.output_order = token_order::raster;
+  time_op(state, inputs_of(s), opt, backward_pass, false);
+}
+
 // The whole op with `count` extra tokens after the video (joint_forward, joint_backward).
 void joint_op(benchmark::State& state, const shape& s, int64_t count, bool backward_pass) {
   inputs& in = kept<inputs>(std::string(s.name) + "/E" + std::to_string(count), s, count);
@@ -289,6 +296,43 @@ void packed_op_forward(benchmark::State& state, const char* name, const std::vec
   state.counters["tiles"] = double(b.tiles);
 }
 
+// The whole op's backward over the batch in one call, or (`packed` false) each sample's own backward() in turn, after
+// one forward of the same kind (each sample's state in a workspace of its own).
+void packed_op_backward(benchmark::State& state, const char* name, const std::vector<grid3>& grids, bool packed) {
+  packed_batch& b = kept<packed_batch>(std::string("packed/") + name, grids);
+  const options opt{};
+  const auto in = [&](const buffer& x, int64_t s) { return as_const(b.view(x, s)); };
+  const std::size_t calls = packed ? 1 : b.grids.size();
+  std::vector<buffer> ws;
+  std::vector<std::size_t> bytes(calls);
+  for (std::size_t c = 0; c < calls; ++c) {
+    const int64_t s = packed ? -1 : static_cast<int64_t>(c);
+    const forward_io f{in(b.q, s), in(b.kk, s), in(b.v, s), {}, b.view(b.o, s)};
+    if (packed) {
+      check(packed_backward(b.pp, opt, backward_io{}, nullptr, bytes[c], nullptr), "packed op workspace size");
+      ws.emplace_back(bytes[c]);
+      check(packed_forward(b.pp, opt, f, ws.back().get(), bytes[c], nullptr), "packed op forward");
+    } else {
+      check(backward(b.own[c], opt, backward_io{}, nullptr, bytes[c], nullptr), "op workspace size");
+      ws.emplace_back(bytes[c]);
+      check(forward(b.own[c], opt, f, ws.back().get(), bytes[c], nullptr), "sample op forward");
+    }
+  }
+  time_on_stream(state, nullptr, [&] {
+    for (std::size_t c = 0; c < calls; ++c) {
+      const int64_t s = packed ? -1 : static_cast<int64_t>(c);
+      const backward_io io{in(b.q, s),      in(b.kk, s),     in(b.v, s),      {}, in(b.o, s), in(b.d_o, s),
+                           b.view(b.dq, s), b.view(b.dk, s), b.view(b.dv, s), {}};
+      std::size_t given = bytes[c];
+      if (packed)
+        check(packed_backward(b.pp, opt, io, ws[c].get(), given, nullptr), "packed op backward");
+      else
+        check(backward(b.own[c], opt, io, ws[c].get(), given, nullptr), "sample op backward");
+    }
+  });
+  state.counters["tiles"] = double(b.tiles);
+}
+
 // 480p-class clips of Wan 2.1 (landscape, portrait, square, shorter), and eight small ones that alone fill little of
 // the GPU.
 const std::vector<grid3>& batch_480p() {
@@ -335,6 +379,11 @@ const bool registered = [] {
     benchmark::RegisterBenchmark(("op_backward/" + n).c_str(), op_forward_backward, s, true, false)
         ->UseManualTime()
         ->Unit(benchmark::kMillisecond);
+    for (const bool backward_pass : {false, true})
+      benchmark::RegisterBenchmark(((backward_pass ? "op_backward_raster/" : "op_forward_raster/") + n).c_str(),
+                                   op_raster, s, backward_pass)
+          ->UseManualTime()
+          ->Unit(benchmark::kMillisecond);
     // The host's cost of one call (the GPU kept busy), which a binding adds to.
     // (A few iterations: each waits for its calls' GPU work, a thousand times the time it measures.)
     benchmark::RegisterBenchmark(("op_forward_host/" + n).c_str(), op_forward_backward, s, false, true)
@@ -361,6 +410,13 @@ const bool registered = [] {
       benchmark::RegisterBenchmark(
           ((packed ? "packed_op_forward/" : "packed_op_forward_samples/") + std::string(batch.first)).c_str(),
           packed_op_forward, batch.first, *batch.second, packed)
+          ->UseManualTime()
+          ->Unit(benchmark::kMillisecond);
+  for (const bool packed : {true, false})
+    for (const auto& batch : {std::make_pair("4x480p", &batch_480p()), std::make_pair("8xsmall", &batch_small())})
+      benchmark::RegisterBenchmark(
+          ((packed ? "packed_op_backward/" : "packed_op_backward_samples/") + std::string(batch.first)).c_str(),
+          packed_op_backward, batch.first, *batch.second, packed)
           ->UseManualTime()
           ->Unit(benchmark::kMillisecond);
   return true;

@@ -20,6 +20,7 @@ vsa::status vsa_instantiate_all(vsa::gpu::stream_t stream) {
   vsa::status s = vsa::forward(p, opt, f, nullptr, bytes, stream);
   if (s) s = vsa::packed_forward(pp, opt, f, nullptr, bytes, stream);
   if (s) s = vsa::backward(p, opt, b, nullptr, bytes, stream);
+  if (s) s = vsa::packed_backward(pp, opt, b, nullptr, bytes, stream);
   if (s) s = vsa::tile(p, 1, c, t, stream);
   if (s) s = vsa::untile(p, 1, c, t, stream);
   if (s) s = vsa::combine(p, c, c, nullptr, t, stream);

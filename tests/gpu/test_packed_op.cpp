@@ -1,6 +1,7 @@
-// The whole op's forward over a packed batch on the GPU (packed_op.hpp) against each sample's own forward() on the same
-// slots: the selected lists equal (as tiles of the batch), o bit for bit where the samples agree on the sparse kernels'
-// kind, within rounding where they do not; the means, o_c and lse_c bit for bit; one sample against the CPU reference.
+// The whole op over a packed batch on the GPU (packed_op.hpp) against each sample's own forward() and backward() on the
+// same slots: the selected lists equal (as tiles of the batch), o, dq, dk, dv and dgate bit for bit where the samples
+// agree on the sparse kernels' kind, within rounding where they do not; the means, o_c and lse_c bit for bit; one
+// sample's o against the CPU reference (the one-grid op's backward has its own).
 // The packed configurations of test_packed.cpp (partial tiles on every axis, GQA, both layouts, dtypes and head dims,
 // 70 samples) and samples past one coarse block (up to 1,152 tiles), a gate, poisoned outputs and workspace, canaries;
 // options the batch cannot take rejected with their message.
@@ -68,14 +69,21 @@ void check_packed_op(const packed_config& c) {
   const packed_problem pp = make_packed(c);
   const batch_layout b(c.grids);
   const host_tensor q = packed_input(c, b, c.q_heads, g), k = packed_input(c, b, c.kv_heads, g),
-                    v = packed_input(c, b, c.kv_heads, g), gate = packed_input(c, b, c.q_heads, g);
-  const device_tensor dq_in(q), dk_in(k), dv_in(v), dgate(gate);
+                    v = packed_input(c, b, c.kv_heads, g), gate = packed_input(c, b, c.q_heads, g),
+                    d_o = packed_input(c, b, c.q_heads, g);
+  const device_tensor dq_in(q), dk_in(k), dv_in(v), dgate(gate), dd_o(d_o);
   options opt;
   opt.sparsity = 0.75;
 
   device_tensor o(q, poisoned), o_own(q, poisoned);
-  std::size_t bytes = 0;
-  REQUIRE(packed_forward(pp, opt, forward_io{}, nullptr, bytes, nullptr).is_ok());
+  // The gradients, poisoned: the packed call's, and each sample's own in its slots of the second set.
+  device_tensor dq(q, poisoned), dk(k, poisoned), dv(v, poisoned), dg(gate, poisoned), dq_own(q, poisoned),
+      dk_own(k, poisoned), dv_own(v, poisoned), dg_own(gate, poisoned);
+  // One workspace for both passes: the backward's size, which holds the forward's.
+  std::size_t bytes = 0, forward_bytes = 0;
+  REQUIRE(packed_backward(pp, opt, backward_io{}, nullptr, bytes, nullptr).is_ok());
+  REQUIRE(packed_forward(pp, opt, forward_io{}, nullptr, forward_bytes, nullptr).is_ok());
+  CHECK(bytes >= forward_bytes);
   device_buffer ws(bytes);
   ws.poison();
   const forward_io io{dq_in.cview(), dk_in.cview(), dv_in.cview(), dgate.cview(), o.view()};
@@ -92,6 +100,17 @@ void check_packed_op(const packed_config& c) {
   std::vector<int32_t> q2k(static_cast<std::size_t>(rows * lists.q2k_capacity)), count(static_cast<std::size_t>(rows));
   VSA_REQUIRE_RT(copy_to_host(q2k.data(), lists.q2k, q2k.size() * sizeof(int32_t)));
   VSA_REQUIRE_RT(copy_to_host(count.data(), lists.q2k_count, count.size() * sizeof(int32_t)));
+  const backward_io bio{dq_in.cview(), dk_in.cview(), dv_in.cview(), dgate.cview(), o.cview(),
+                        dd_o.cview(),  dq.view(),     dk.view(),     dv.view(),     dg.view()};
+  st = packed_backward(pp, opt, bio, ws.get(), bytes, nullptr);
+  INFO(st.message());
+  REQUIRE(st.is_ok());
+  VSA_REQUIRE_RT(gpu_sync());
+  for (const device_tensor* x : {&dq, &dk, &dv, &dg}) {
+    CHECK(x->all_written());
+    CHECK(x->canaries_intact());
+  }
+  CHECK(ws.canaries_intact());
 
   detail::packed_op_workspace pw;
   REQUIRE(detail::plan_packed_op(pp, opt, pw).is_ok());
@@ -102,12 +121,19 @@ void check_packed_op(const packed_config& c) {
     INFO("sample " << s);
     const problem ps = make_problem(c.grids[s], 1, c.q_heads, c.kv_heads, c.head_dim, c.type);
     std::size_t own_bytes = 0;
-    REQUIRE(forward(ps, opt, forward_io{}, nullptr, own_bytes, nullptr).is_ok());
+    REQUIRE(backward(ps, opt, backward_io{}, nullptr, own_bytes, nullptr).is_ok());
     device_buffer own_ws(own_bytes);
     const forward_io own{sample_view(dq_in.cview(), b, s, c.type), sample_view(dk_in.cview(), b, s, c.type),
                          sample_view(dv_in.cview(), b, s, c.type), sample_view(dgate.cview(), b, s, c.type),
                          sample_view(o_own.view(), b, s, c.type)};
     st = forward(ps, opt, own, own_ws.get(), own_bytes, nullptr);
+    INFO(st.message());
+    REQUIRE(st.is_ok());
+    const auto in = [&](const device_tensor& x) { return sample_view(x.cview(), b, s, c.type); };
+    const auto out = [&](device_tensor& x) { return sample_view(x.view(), b, s, c.type); };
+    const backward_io own_b{in(dq_in), in(dk_in),   in(dv_in),   in(dgate),   in(o_own),
+                            in(dd_o),  out(dq_own), out(dk_own), out(dv_own), out(dg_own)};
+    st = backward(ps, opt, own_b, own_ws.get(), own_bytes, nullptr);
     INFO(st.message());
     REQUIRE(st.is_ok());
     const_index_lists own_lists;
@@ -132,6 +158,10 @@ void check_packed_op(const packed_config& c) {
   }
   VSA_REQUIRE_RT(gpu_sync());
   check_against_samples(c, b, "o", o, o_own);
+  check_against_samples(c, b, "dq", dq, dq_own);
+  check_against_samples(c, b, "dk", dk, dk_own);
+  check_against_samples(c, b, "dv", dv, dv_own);
+  check_against_samples(c, b, "dgate", dg, dg_own);
 
   // The first sample against the CPU reference of the whole op, on the lists the GPU selected (near-tied coarse
   // scores may rank differently in the reference's double precision).
@@ -160,7 +190,7 @@ std::vector<packed_config> op_configs() {
   return c;
 }
 
-TEST_CASE("a packed batch's whole-op forward is its samples' own", "[gpu][packed][op]") {
+TEST_CASE("a packed batch's whole op, forward and backward, is its samples' own", "[gpu][packed][op]") {
   for (const packed_config& c : op_configs()) check_packed_op(c);
 }
 
@@ -176,6 +206,9 @@ TEST_CASE("the packed op rejects what a packed batch cannot take", "[gpu][packed
   opt = options{};
   opt.output_order = token_order::raster;
   st = packed_forward(pp, opt, forward_io{}, nullptr, bytes, nullptr);
+  CHECK(st.code() == errc::unsupported);
+  CHECK(mentions(st, "output_order"));
+  st = packed_backward(pp, opt, backward_io{}, nullptr, bytes, nullptr);
   CHECK(st.code() == errc::unsupported);
   CHECK(mentions(st, "output_order"));
   packed_problem none = pp;

@@ -33,6 +33,32 @@ template <class Layout> status launch_coarse_scores(const problem& p, const gpu:
   return p.head_dim == 64 ? run(gd::coarse_scores_kernel<64, Layout>) : run(gd::coarse_scores_kernel<128, Layout>);
 }
 
+// The coarse backward on schedule `sched` (the one grid's dense_schedule, or a packed batch's packed_dense_schedule;
+// sched.length rows of means a head), the arguments checked; delta: sched.length floats a query head.
+template <class Sched> status run_coarse_backward(const problem& p, const Sched& sched, float scale, const void* q_c,
+                                                  const void* k_c, const void* v_c, const float* scores,
+                                                  const void* o_c, const int8_t* o_c_residual, const void* d_o_c,
+                                                  const float* lse_c, float* dq_c, float* dk_c, float* dv_c,
+                                                  float* delta, gpu::stream_t stream) {
+  const int64_t n = sched.length;
+  gpu::detail::delta_params dp = delta_base(p, gpu::detail::make_dense_operand(o_c, p.q_heads, n, p.head_dim),
+                                            gpu::detail::make_dense_operand(d_o_c, p.q_heads, n, p.head_dim), sched);
+  dp.o_residual = o_c_residual;
+  dp.delta = delta;
+
+  // The scores are scaled: scale only scales dq_c and dk_c.
+  gpu::detail::backward_params bp = backward_base(p, scale, lse_c, scores);
+  bp.q = gpu::detail::make_dense_operand(q_c, p.q_heads, n, p.head_dim);
+  bp.k = gpu::detail::make_dense_operand(k_c, p.kv_heads, n, p.head_dim);
+  bp.v = gpu::detail::make_dense_operand(v_c, p.kv_heads, n, p.head_dim);
+  bp.d_o = gpu::detail::make_dense_operand(d_o_c, p.q_heads, n, p.head_dim);
+  bp.dq_f32 = dq_c;
+  bp.dk_f32 = dk_c;
+  bp.dv_f32 = dv_c;
+  bp.delta = delta;
+  return run_backward(p, dp, bp, sched, sched, stream);
+}
+
 } // namespace detail
 
 // scores [B, Hq, N, N] fp32 = scale · q_c · k_cᵀ (query head h against kv head h / (Hq / Hkv)), from the fp32
@@ -115,26 +141,8 @@ inline status coarse_attention_backward(const problem& p, float scale, const voi
   }
   if (!s) return s;
 
-  const auto sched = detail::means_schedule(p);
-  const int64_t n = sched.length;
-  float* delta = static_cast<float*>(workspace);
-  gpu::detail::delta_params dp =
-      detail::delta_base(p, gpu::detail::make_dense_operand(o_c, p.q_heads, n, p.head_dim),
-                         gpu::detail::make_dense_operand(d_o_c, p.q_heads, n, p.head_dim), sched);
-  dp.o_residual = o_c_residual;
-  dp.delta = delta;
-
-  // The scores are scaled: scale only scales dq_c and dk_c.
-  gpu::detail::backward_params bp = detail::backward_base(p, scale, lse_c, scores);
-  bp.q = gpu::detail::make_dense_operand(q_c, p.q_heads, n, p.head_dim);
-  bp.k = gpu::detail::make_dense_operand(k_c, p.kv_heads, n, p.head_dim);
-  bp.v = gpu::detail::make_dense_operand(v_c, p.kv_heads, n, p.head_dim);
-  bp.d_o = gpu::detail::make_dense_operand(d_o_c, p.q_heads, n, p.head_dim);
-  bp.dq_f32 = dq_c;
-  bp.dk_f32 = dk_c;
-  bp.dv_f32 = dv_c;
-  bp.delta = delta;
-  return detail::run_backward(p, dp, bp, sched, sched, stream);
+  return detail::run_coarse_backward(p, detail::means_schedule(p), scale, q_c, k_c, v_c, scores, o_c, o_c_residual,
+                                     d_o_c, lse_c, dq_c, dk_c, dv_c, static_cast<float*>(workspace), stream);
 }
 
 } // namespace vsa

@@ -11,6 +11,8 @@
 #include "block_means.hpp"
 #include "primitives.hpp"
 
+#include <type_traits>
+
 namespace vsa {
 namespace gpu {
 namespace detail {
@@ -94,25 +96,30 @@ struct combine_backward_params {
   const uint4* o_c;                   // [B, Hq, N, D]
   vector_view<uint4> dgate;           // data null when gate is
   uint16_t* d_o_c;                    // [B, Hq, N, D]
-  tile_geometry geo;
   int64_t batch, heads;
-  bool dgate_raster; // dgate in raster order: valid slots at their tokens, padding slots nowhere
+  bool dgate_raster; // dgate in raster order: valid slots at their tokens, padding slots nowhere (one grid only)
 };
 
-template <class E, int D> __global__ void __launch_bounds__(tile_row_threads)
-    combine_backward_kernel(combine_backward_params p) {
+// Tiles: where each tile's valid count comes from, tile_geometry (one grid) or packed_tiles (a packed batch's table,
+// block_means.hpp), whose outputs are in tiled order only.
+template <class E, int D, class Tiles> __global__ void __launch_bounds__(tile_row_threads)
+    combine_backward_kernel(combine_backward_params p, Tiles geo) {
   using L = tile_row_layout<D>;
+  constexpr bool one_grid = std::is_same<Tiles, tile_geometry>::value;
   __shared__ __align__(16) float partial[L::groups][D];
-  const int64_t tiles = p.geo.num_tiles();
+  const int64_t tiles = geo.num_tiles();
   const int64_t items = p.batch * tiles * p.heads;
   const int group = threadIdx.x / L::vectors, vec = threadIdx.x % L::vectors;
   const bool gated = p.gate.data != nullptr;
 
   for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
     const int64_t h = item % p.heads, n = (item / p.heads) % tiles, b = item / p.heads / tiles;
-    const int valid = p.geo.valid(n);
+    const int valid = geo.valid(n);
     const int64_t first = n * tile_tokens;
-    const raster_rows tokens = p.dgate_raster ? p.geo.raster_rows_of(n) : raster_rows{};
+    raster_rows tokens{};
+    if constexpr (one_grid) {
+      if (p.dgate_raster) tokens = geo.raster_rows_of(n);
+    }
     float coarse[8];
     unpack8<E>(p.o_c[((b * p.heads + h) * tiles + n) * L::vectors + vec], coarse);
 
@@ -143,7 +150,7 @@ template <class E, int D> __global__ void __launch_bounds__(tile_row_threads)
         }
         // Padding rows were loaded as zeros, so their dgate comes out as zeros too (tiled order; raster order has
         // no place for them).
-        if (p.dgate_raster) {
+        if (one_grid && p.dgate_raster) {
           if (row < valid) p.dgate.row(b, tokens.token(row), h)[vec] = pack8<E>(dg);
         } else {
           p.dgate.row(b, first + row, h)[vec] = row < valid ? pack8<E>(dg) : make_uint4(0u, 0u, 0u, 0u);
@@ -170,6 +177,33 @@ inline status check_gate_pair(const const_tensor& gate, const void* dgate) {
 
 } // namespace detail
 } // namespace gpu
+
+namespace detail {
+
+// The backward kernel over the tiles of `geo` (tile_geometry, or gpu::detail::packed_tiles with dgate_raster false),
+// the arguments checked.
+template <class Tiles> status launch_combine_backward(const problem& p, const Tiles& geo, const const_tensor& d_o,
+                                                      const const_tensor& gate, const void* o_c, const tensor& dgate,
+                                                      void* d_o_c, bool dgate_raster, gpu::stream_t stream) {
+  namespace gd = gpu::detail;
+  const gd::combine_backward_params bp{gd::make_vector_view<const uint4>(d_o),
+                                       gd::make_vector_view<const uint4>(gate),
+                                       static_cast<const uint4*>(o_c),
+                                       gd::make_vector_view<uint4>(dgate),
+                                       static_cast<uint16_t*>(d_o_c),
+                                       p.batch,
+                                       p.q_heads,
+                                       dgate_raster};
+  const unsigned blocks = gd::grid_blocks(p.batch * geo.num_tiles() * p.q_heads);
+  return gd::dispatch_element(p.type, [&](auto element) {
+    using E = decltype(element);
+    const auto kernel =
+        p.head_dim == 64 ? gd::combine_backward_kernel<E, 64, Tiles> : gd::combine_backward_kernel<E, 128, Tiles>;
+    return gpu::launch("combine_backward", kernel, blocks, gd::tile_row_threads, 0, stream, false, bp, geo);
+  });
+}
+
+} // namespace detail
 
 // o [B, N·64, Hq, D] = o_s + g ⊙ o_c[b, h, tile] on valid slots, 0 on padding slots. o_s, gate and o are tiled
 // views; gate.data may be null (g = 1); o_c is [B, Hq, N, D] contiguous in p.type. o may be the same view as
@@ -222,22 +256,7 @@ inline status combine_backward(const problem& p, const_tensor d_o, const_tensor 
   if (s) s = check_pointer("d_o_c", d_o_c, 16);
   if (s) s = check_combine_backward_disjoint(p, d_o, gate, o_c, dgate, d_o_c);
   if (!s) return s;
-  namespace gd = gpu::detail;
-  const gd::combine_backward_params bp{gd::make_vector_view<const uint4>(d_o),
-                                       gd::make_vector_view<const uint4>(gate),
-                                       static_cast<const uint4*>(o_c),
-                                       gd::make_vector_view<uint4>(dgate),
-                                       static_cast<uint16_t*>(d_o_c),
-                                       geo,
-                                       p.batch,
-                                       p.q_heads,
-                                       raster};
-  const unsigned blocks = gd::grid_blocks(p.batch * geo.num_tiles() * p.q_heads);
-  return gd::dispatch_element(p.type, [&](auto element) {
-    using E = decltype(element);
-    const auto kernel = p.head_dim == 64 ? gd::combine_backward_kernel<E, 64> : gd::combine_backward_kernel<E, 128>;
-    return gpu::launch("combine_backward", kernel, blocks, gd::tile_row_threads, 0, stream, false, bp);
-  });
+  return detail::launch_combine_backward(p, geo, d_o, gate, o_c, dgate, d_o_c, raster, stream);
 }
 
 } // namespace vsa

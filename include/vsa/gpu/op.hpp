@@ -159,7 +159,7 @@ inline status plan_op(const problem& p, const options& opt, op_workspace& w) { r
 
 // The one-workspace size of a pass: the state, then the larger of the scratch regions (so that the backward's
 // size is at least the forward's, and one allocation serves both).
-inline std::size_t whole_workspace_bytes(const op_workspace& w, bool backward) {
+template <class W> std::size_t whole_workspace_bytes(const W& w, bool backward) {
   const std::size_t scratch = backward && w.backward_scratch_bytes > w.forward_scratch_bytes ? w.backward_scratch_bytes
                                                                                              : w.forward_scratch_bytes;
   return w.state_bytes + scratch;
@@ -198,7 +198,8 @@ inline status check_buffers(const op_buffers& b, std::size_t state_bytes, std::s
   return s;
 }
 
-inline status check_gate(const problem& p, const op_workspace& w, const const_tensor& gate, int64_t tokens) {
+// The gate: absent, or of the op's own selection (W: the op's or the packed op's plan).
+template <class W> status check_gate(const problem& p, const W& w, const const_tensor& gate, int64_t tokens) {
   if (gate.data == nullptr) return status::ok();
   if (!w.coarse)
     return status::error(errc::bad_argument, "gate: must be absent when the caller supplies the q2k lists");
@@ -208,6 +209,21 @@ inline status check_gate(const problem& p, const op_workspace& w, const const_te
 } // namespace detail
 
 namespace detail {
+
+// The backward's tensors (W: the op's or the packed op's plan): the inputs and d_o of `tokens` rows, o and the
+// gradients of `out_tokens` (options::output_order), the gate and its gradient.
+template <class W> status check_backward_io(const problem& p, const W& w, float scale, const backward_io& io,
+                                            int64_t tokens, int64_t out_tokens) {
+  status s = check_inputs(p, scale, io.q, io.k, io.v, tokens);
+  if (s) s = check_tensor("o", io.o, p, p.q_heads, out_tokens, target::gpu);
+  if (s) s = check_tensor("d_o", io.d_o, p, p.q_heads, tokens, target::gpu);
+  if (s) s = check_gradients(p, io.dq, io.dk, io.dv, out_tokens);
+  if (s) s = check_gate(p, w, io.gate, tokens);
+  if (s && io.dgate.data != nullptr && io.gate.data == nullptr)
+    s = status::error(errc::bad_argument, "dgate: given without a gate");
+  if (s && io.dgate.data != nullptr) s = check_tensor("dgate", io.dgate, p, p.q_heads, out_tokens, target::gpu);
+  return s;
+}
 
 // The video part of a tensor of the op: all of it, or with extra tokens (joint attention) its N·64 slots.
 template <class Ptr> basic_tensor<Ptr> video_rows(const basic_tensor<Ptr>& x, const problem& p, const extra_tokens& e) {
@@ -372,14 +388,7 @@ template <bool Joint = false> status backward_planned(const problem& p, const op
   const float scale = detail::resolve_scale(p, opt);
   int64_t out_tokens = 0;
   if (s) s = op_output_tokens(p, opt, w, out_tokens);
-  if (s) s = detail::check_inputs(p, scale, io.q, io.k, io.v, tokens);
-  if (s) s = check_tensor("o", io.o, p, p.q_heads, out_tokens, target::gpu);
-  if (s) s = check_tensor("d_o", io.d_o, p, p.q_heads, tokens, target::gpu);
-  if (s) s = detail::check_gradients(p, io.dq, io.dk, io.dv, out_tokens);
-  if (s) s = detail::check_gate(p, w, io.gate, tokens);
-  if (s && io.dgate.data != nullptr && io.gate.data == nullptr)
-    s = status::error(errc::bad_argument, "dgate: given without a gate");
-  if (s && io.dgate.data != nullptr) s = check_tensor("dgate", io.dgate, p, p.q_heads, out_tokens, target::gpu);
+  if (s) s = check_backward_io(p, w, scale, io, tokens, out_tokens);
   if (s && !w.coarse) s = detail::check_lists(p, opt.q2k, false);
   if (s) s = detail::check_buffers(buffers, w.state_bytes, w.backward_scratch_bytes);
   if (s) {

@@ -14,8 +14,11 @@
 // means, scores, selection and the coarse pass then equal each sample's own call bit for bit; the sparse pass does
 // where its kernels are the sample's (packed_attention.hpp says when they are not).
 //
-// The state holds what a backward will need (the means, o_c, the lists, the log-sum-exps and residuals, the tables);
-// the backward over a packed batch is not offered yet. Outputs in tiled order only.
+// The state holds what the backward needs (the means, o_c, the lists both ways, the log-sum-exps and residuals, the
+// tables). The backward (packed_backward) runs the one-grid backward's stages on the same types: the combine's backward
+// over the tile table, the coarse backward over packed_dense_schedule, the packed sparse backward with the coarse
+// gradients folded in and the combine's row terms in delta; each sample's gradients those of its own backward() where
+// the kernels are the same. Outputs in tiled order only.
 #pragma once
 
 #include "op.hpp"
@@ -33,12 +36,19 @@ struct packed_op_workspace {
   int64_t tiles = 0, blocks = 0, width = 0, capacity = 0;
   // state
   std::size_t table = 0, info = 0, block_table = 0, q_c = 0, k_c = 0, v_c = 0, q_c32 = 0, k_c32 = 0, o_c = 0,
-              o_c_residual = 0, lse_c = 0, q2k = 0, q2k_count = 0, lse = 0, o_residual = 0, state_bytes = 0;
+              o_c_residual = 0, lse_c = 0, q2k = 0, q2k_count = 0, k2q = 0, k2q_offset = 0, lse = 0, o_residual = 0,
+              state_bytes = 0;
   // forward scratch
-  std::size_t scores = 0, forward_scratch_bytes = 0;
+  std::size_t scores = 0, index_scratch = 0, forward_scratch_bytes = 0;
+  // backward scratch
+  std::size_t d_o_c = 0, dq_c = 0, dk_c = 0, dv_c = 0, b_scores = 0, coarse_delta = 0, sparse_scratch = 0,
+              backward_scratch_bytes = 0;
 
   template <class T = void> T* at(void* base, std::size_t off) const {
     return reinterpret_cast<T*>(static_cast<unsigned char*>(base) + off);
+  }
+  template <class T = void> const T* at(const void* base, std::size_t off) const {
+    return reinterpret_cast<const T*>(static_cast<const unsigned char*>(base) + off);
   }
 };
 
@@ -86,13 +96,36 @@ inline status plan_packed_op(const packed_problem& pp, const options& opt, packe
     w.block_table = take(static_cast<std::size_t>(w.blocks) * sizeof(int4));
     take_coarse_state(w, take, p, bh, bhk, n);
   }
+  // k2q over the batch's tiles (each key tile's list holds query tiles of its own sample), built by the forward.
+  index_lists probe{};
+  probe.q2k_capacity = w.capacity;
+  std::size_t index_bytes = 0;
+  if (!(s = build_k2q(p, probe, nullptr, index_bytes, nullptr))) return s;
+  w.k2q = take(bh * n * static_cast<std::size_t>(w.capacity) * sizeof(int32_t));
+  w.k2q_offset = take(bh * (n + 1) * sizeof(int32_t));
   w.lse = take(bh * n * gpu::tile_rows * sizeof(float));
   w.o_residual = take(bh * n * gpu::tile_rows * d * sizeof(int8_t));
   w.state_bytes = off;
+  // Forward scratch: the scores, [Hq, N, width] (the selection takes no scratch), and build_k2q's.
   off = 0;
-  // The scores, [Hq, N, width]; no scratch of the selection (select_top_k takes none).
-  if (w.coarse) w.scores = take(bh * n * static_cast<std::size_t>(w.width) * sizeof(float));
+  const std::size_t scores_bytes = bh * n * static_cast<std::size_t>(w.width) * sizeof(float);
+  if (w.coarse) w.scores = take(scores_bytes);
+  w.index_scratch = take(index_bytes);
   w.forward_scratch_bytes = off;
+  // Backward scratch: the coarse gradients and the scores again, as the one-grid op's (plan_op), then the sparse
+  // backward's (with dq's stored dS where the device takes it).
+  off = 0;
+  if (w.coarse) {
+    const std::size_t e = dtype_size(p.type);
+    w.d_o_c = take(bh * n * d * e);
+    w.dq_c = take(bh * n * d * sizeof(float));
+    w.dk_c = take(bhk * n * d * sizeof(float));
+    w.dv_c = take(bhk * n * d * sizeof(float));
+    w.b_scores = take(scores_bytes);
+    w.coarse_delta = take(bh * n * sizeof(float));
+  }
+  w.sparse_scratch = take(sparse_attention_backward_workspace(p, w.capacity));
+  w.backward_scratch_bytes = off;
   return status::ok();
 }
 
@@ -112,12 +145,7 @@ template <class = void> status packed_forward_planned(const packed_problem& pp, 
   const float scale = resolve_scale(p, opt);
   status s = check_inputs(p, scale, io.q, io.k, io.v, tokens);
   if (s) s = check_tensor("o", io.o, p, p.q_heads, tokens, target::gpu);
-  if (s && io.gate.data != nullptr) {
-    if (!w.coarse)
-      s = status::error(errc::bad_argument, "gate: must be absent when the caller supplies the q2k lists");
-    else
-      s = check_tensor("gate", io.gate, p, p.q_heads, tokens, target::gpu);
-  }
+  if (s) s = check_gate(p, w, io.gate, tokens);
   if (s && !w.coarse) s = check_lists(p, opt.q2k, false);
   if (s) s = check_buffers(buffers, w.state_bytes, w.forward_scratch_bytes);
   if (s) {
@@ -169,6 +197,11 @@ template <class = void> status packed_forward_planned(const packed_problem& pp, 
     }
     lists = {q2k, count, w.capacity, nullptr, nullptr};
   }
+  // k2q for the backward.
+  index_lists both{const_cast<int32_t*>(lists.q2k), const_cast<int32_t*>(lists.q2k_count), lists.q2k_capacity,
+                   w.at<int32_t>(state, w.k2q), w.at<int32_t>(state, w.k2q_offset)};
+  std::size_t index_bytes = w.forward_scratch_bytes - w.index_scratch;
+  if (s) s = build_k2q(p, both, w.at(scratch, w.index_scratch), index_bytes, stream);
   if (!s) return s;
 
   // The sparse pass with the combine epilogue (o_c and the gate, where the op selected the lists) and o's rounding
@@ -180,6 +213,99 @@ template <class = void> status packed_forward_planned(const packed_problem& pp, 
   return run_forward(
       p, fp, packed_schedule_of(p, packed_narrow(pp), lists.q2k, lists.q2k_count, nullptr, lists.q2k_capacity, table),
       stream);
+}
+
+// The backward on its plan, as backward_planned (op.hpp) for one grid. A template as packed_forward_planned.
+template <class = void> status packed_backward_planned(const packed_problem& pp, const options& opt,
+                                                       const packed_op_workspace& w, const backward_io& io,
+                                                       op_buffers& buffers, gpu::stream_t stream) {
+  if (buffers.state == nullptr) {
+    buffers.state_bytes = w.state_bytes;
+    buffers.scratch_bytes = w.backward_scratch_bytes;
+    return status::ok();
+  }
+  const problem& p = w.whole;
+  const void* const state = buffers.state;
+  void* const scratch = buffers.scratch;
+  const int64_t tokens = w.tiles * gpu::tile_rows;
+  const float scale = resolve_scale(p, opt);
+  status s = check_backward_io(p, w, scale, io, tokens, tokens);
+  if (s && !w.coarse) s = check_lists(p, opt.q2k, false);
+  if (s) s = check_buffers(buffers, w.state_bytes, w.backward_scratch_bytes);
+  if (s) {
+    s = check_backward_disjoint(p, io, state, w.state_bytes, scratch, w.backward_scratch_bytes,
+                                w.coarse ? const_index_lists{} : opt.q2k);
+  }
+  if (!s) return s;
+
+  namespace gd = gpu::detail;
+  const int2* const table = w.at<const int2>(state, w.table);
+  const_index_lists idx{};
+  idx.q2k_capacity = w.capacity;
+  idx.q2k = w.coarse ? w.at<const int32_t>(state, w.q2k) : opt.q2k.q2k;
+  idx.q2k_count = w.coarse ? w.at<const int32_t>(state, w.q2k_count) : opt.q2k.q2k_count;
+  idx.k2q = w.at<const int32_t>(state, w.k2q);
+  idx.k2q_offset = w.at<const int32_t>(state, w.k2q_offset);
+
+  // The combine's backward (dgate, and d_o_c: each tile's sum of g ⊙ dO), then the coarse backward over each sample's
+  // blocks on the scores formed again.
+  const uint16_t* o_c = nullptr;
+  if (w.coarse) {
+    const int4* const blocks = w.at<const int4>(state, w.block_table);
+    void* const d_o_c = w.at(scratch, w.d_o_c);
+    float* const scores = w.at<float>(scratch, w.b_scores);
+    o_c = w.at<const uint16_t>(state, w.o_c);
+    s = launch_combine_backward(p, gd::packed_tiles{table, w.tiles}, io.d_o, io.gate, o_c, io.dgate, d_o_c, false,
+                                stream);
+    if (s) {
+      const gd::coarse_scores_params cp{w.at<const float>(state, w.q_c32),
+                                        w.at<const float>(state, w.k_c32),
+                                        scores,
+                                        p.q_heads,
+                                        p.q_heads / p.kv_heads,
+                                        scale};
+      s = launch_coarse_scores(p, cp, gd::packed_scores{blocks, w.tiles, w.width},
+                               (w.width + gpu::tile_rows - 1) / gpu::tile_rows, w.blocks, stream);
+    }
+    if (s) {
+      s = run_coarse_backward(p, gd::packed_dense_schedule{{w.tiles, w.blocks}, blocks, w.width}, scale,
+                              w.at(state, w.q_c), w.at(state, w.k_c), w.at(state, w.v_c), scores, o_c,
+                              w.at<const int8_t>(state, w.o_c_residual), d_o_c, w.at<const float>(state, w.lse_c),
+                              w.at<float>(scratch, w.dq_c), w.at<float>(scratch, w.dk_c), w.at<float>(scratch, w.dv_c),
+                              w.at<float>(scratch, w.coarse_delta), stream);
+    }
+    if (!s) return s;
+  }
+
+  // The packed sparse pass's backward, dq, dk and dv adding the block-mean backward of the coarse gradients, its row
+  // terms those of o_s = o − g ⊙ o_c (o restored by its residual).
+  gd::backward_params bp =
+      sparse_backward_params(p, scale, io.q, io.k, io.v, io.d_o, io.dq, io.dk, io.dv, w.at<const float>(state, w.lse));
+  if (w.coarse) {
+    bp.fold_q = w.at<const float>(scratch, w.dq_c);
+    bp.fold_k = w.at<const float>(scratch, w.dk_c);
+    bp.fold_v = w.at<const float>(scratch, w.dv_c);
+  }
+  const bool narrow = packed_narrow(pp);
+  const auto qs = packed_schedule_of(p, narrow, idx.q2k, idx.q2k_count, nullptr, w.capacity, table);
+  const auto ks = packed_schedule_of(p, narrow, idx.k2q, nullptr, idx.k2q_offset, w.capacity, table);
+  gd::delta_params dp = delta_base(p, gd::make_operand(io.o), gd::make_operand(io.d_o), qs);
+  dp.gate = gd::make_operand(io.gate);
+  dp.o_c = o_c;
+  dp.o_residual = w.at<const int8_t>(state, w.o_residual);
+  s = prepare_sparse_backward(p, idx, w.at(scratch, w.sparse_scratch), w.backward_scratch_bytes - w.sparse_scratch, bp,
+                              dp, stream);
+  return s ? run_backward(p, dp, bp, qs, ks, stream) : s;
+}
+
+// A pass of the packed op planned and run in one workspace (in_one_workspace's, op.hpp): pass(plan, buffers).
+template <class Pass> status packed_in_one_workspace(const packed_problem& pp, const options& opt, bool backward,
+                                                     void* workspace, std::size_t& workspace_bytes, const Pass& pass) {
+  packed_op_workspace w;
+  const status s = plan_packed_op(pp, opt, w);
+  if (!s) return s;
+  return split_workspace(workspace, workspace_bytes, w.state_bytes, whole_workspace_bytes(w, backward),
+                         [&](op_buffers& b) { return pass(w, b); });
 }
 
 } // namespace detail
@@ -199,12 +325,28 @@ template <class = void> status packed_forward(const packed_problem& pp, const op
 // The same in one workspace: with workspace == nullptr only workspace_bytes is set.
 template <class = void> status packed_forward(const packed_problem& pp, const options& opt, const forward_io& io,
                                               void* workspace, std::size_t& workspace_bytes, gpu::stream_t stream) {
+  return detail::packed_in_one_workspace(pp, opt, false, workspace, workspace_bytes, [&](const auto& w, op_buffers& b) {
+    return detail::packed_forward_planned(pp, opt, w, io, b, stream);
+  });
+}
+
+// The whole op's backward over a packed batch: dq, dk, dv (and dgate where a gate was given) of every sample, from dO
+// and the state packed_forward filled, with scratch of its own (buffers.state == nullptr: only the sizes are set).
+// Tensors as packed_forward's, dgate as the gate; the same options. A template as packed_forward.
+template <class = void> status packed_backward(const packed_problem& pp, const options& opt, const backward_io& io,
+                                               op_buffers& buffers, gpu::stream_t stream) {
   detail::packed_op_workspace w;
   const status s = detail::plan_packed_op(pp, opt, w);
-  if (!s) return s;
-  return detail::split_workspace(
-      workspace, workspace_bytes, w.state_bytes, w.state_bytes + w.forward_scratch_bytes,
-      [&](op_buffers& b) { return detail::packed_forward_planned(pp, opt, w, io, b, stream); });
+  return s ? detail::packed_backward_planned(pp, opt, w, io, buffers, stream) : s;
+}
+
+// The same in one workspace, the one the forward filled: with workspace == nullptr only workspace_bytes is set, which
+// is the state and the larger of the two passes' scratch, so that one allocation of this size serves both calls.
+template <class = void> status packed_backward(const packed_problem& pp, const options& opt, const backward_io& io,
+                                               void* workspace, std::size_t& workspace_bytes, gpu::stream_t stream) {
+  return detail::packed_in_one_workspace(pp, opt, true, workspace, workspace_bytes, [&](const auto& w, op_buffers& b) {
+    return detail::packed_backward_planned(pp, opt, w, io, b, stream);
+  });
 }
 
 // The q2k lists the packed forward selected (tiles of the batch; capacity the largest k_s, each row's count its

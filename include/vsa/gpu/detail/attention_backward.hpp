@@ -79,9 +79,12 @@ __device__ __forceinline__ void store_band(const typename M::out_tile& acc, floa
     if (row < valid) {
       x0 = acc.x[e] * scale;
       x1 = acc.x[e + 1] * scale;
+      // One fused multiply-add, written out: as a sum of two products the compiler fused one or the other, not the
+      // same in every instantiation, and the packed op's dq (joint schedule) missed its samples' own (sparse schedule)
+      // by a last place in a few elements a tensor (bench/NOTES.md, v33).
       if (fold != nullptr) {
-        x0 += folded[e / 2].x * fold_scale;
-        x1 += folded[e / 2].y * fold_scale;
+        x0 = fmaf(folded[e / 2].x, fold_scale, x0);
+        x1 = fmaf(folded[e / 2].y, fold_scale, x1);
       }
     }
     if (out_f32 != nullptr) {
@@ -231,7 +234,7 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), dq_min_blocks(M
     __syncthreads();
   }
 
-  float* f32 = p.dq_f32 != nullptr ? p.dq_f32 + (bh * rows_total + i * 64) * D : nullptr;
+  float* f32 = p.dq_f32 != nullptr ? p.dq_f32 + (bh * rows_total + s.token0(i)) * D : nullptr;
   with_out_rows<RasterOut, M>(p.dq, s, b, h, i, row0, q_valid, [&](const auto& rows) {
     store_band<E, D, M, Sched>(dq, p.scale, row0, q_valid, rows, f32, s.video_tile(i) ? p.fold_q : nullptr,
                                bh * s.video_tiles() + i, s.padding_stored(i));
@@ -406,8 +409,8 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads), dkdv_min_blocks
   }
 
   const int64_t bhk = b * p.kv_heads + hk;
-  float* kf = p.dk_f32 != nullptr ? p.dk_f32 + (bhk * rows_total + j * 64) * D : nullptr;
-  float* vf = p.dv_f32 != nullptr ? p.dv_f32 + (bhk * rows_total + j * 64) * D : nullptr;
+  float* kf = p.dk_f32 != nullptr ? p.dk_f32 + (bhk * rows_total + s.token0(j)) * D : nullptr;
+  float* vf = p.dv_f32 != nullptr ? p.dv_f32 + (bhk * rows_total + s.token0(j)) * D : nullptr;
   const bool video = s.video_tile(j); // the extra tokens' tiles have no folds
   with_out_rows<M>(p.dk, p.raster_out, s, b, hk, j, row0, kv, [&](const auto& rows) {
     store_band<E, D, M, Sched>(dk, p.scale, row0, kv, rows, kf, video ? p.fold_k : nullptr, bhk * s.video_tiles() + j,

@@ -244,10 +244,6 @@ status run_forward(const problem& p, const gpu::detail::forward_params& fp, cons
 template <class Sched> status run_backward(const problem& p, const gpu::detail::delta_params& dp,
                                            const gpu::detail::backward_params& bp, const Sched& q_sched,
                                            const Sched& k_sched, gpu::stream_t stream) {
-  // The backward kernels' fp32 epilogues (dq_f32, dk_f32, dv_f32) place a block's rows at 64·i: not yet a packed
-  // batch's coarse pass, whose blocks start at their samples' rows.
-  static_assert(!std::is_same<Sched, gpu::detail::packed_dense_schedule>::value,
-                "the coarse backward over a packed batch is not built yet");
   return gpu::detail::dispatch(p.type, p.head_dim, [&](auto cfg) {
     using C = decltype(cfg);
     using E = typename C::element;
