@@ -3,8 +3,8 @@
 // agree on the sparse kernels' kind, within rounding where they do not; the means, o_c and lse_c bit for bit; one
 // sample's o against the CPU reference (the one-grid op's backward has its own).
 // The packed configurations of test_packed.cpp (partial tiles on every axis, GQA, both layouts, dtypes and head dims,
-// 70 samples) and samples past one coarse block (up to 1,152 tiles), a gate, poisoned outputs and workspace, canaries;
-// options the batch cannot take rejected with their message.
+// 70 samples) and samples past one coarse block (up to 1,152 tiles), with a gate and without (in turn), poisoned
+// outputs and workspace, canaries; options and gradients the batch cannot take rejected with their message.
 #include "support/gpu.hpp"
 #include "support/host.hpp"
 #include "support/packed.hpp"
@@ -63,8 +63,9 @@ std::vector<int32_t> rows_of(const std::vector<int32_t>& q2k, const std::vector<
   return r;
 }
 
-void check_packed_op(const packed_config& c) {
-  INFO(describe(c));
+// gated: with a gate (and its gradient), else g = 1.
+void check_packed_op(const packed_config& c, bool gated) {
+  INFO(describe(c) << (gated ? " gated" : " g = 1"));
   VSA_TEST_RNG(g, "packed op");
   const packed_problem pp = make_packed(c);
   const batch_layout b(c.grids);
@@ -86,7 +87,9 @@ void check_packed_op(const packed_config& c) {
   CHECK(bytes >= forward_bytes);
   device_buffer ws(bytes);
   ws.poison();
-  const forward_io io{dq_in.cview(), dk_in.cview(), dv_in.cview(), dgate.cview(), o.view()};
+  const const_tensor gate_in = gated ? dgate.cview() : const_tensor{};
+  const tensor dg_out = gated ? dg.view() : tensor{};
+  const forward_io io{dq_in.cview(), dk_in.cview(), dv_in.cview(), gate_in, o.view()};
   status st = packed_forward(pp, opt, io, ws.get(), bytes, nullptr);
   INFO(st.message());
   REQUIRE(st.is_ok());
@@ -100,13 +103,14 @@ void check_packed_op(const packed_config& c) {
   std::vector<int32_t> q2k(static_cast<std::size_t>(rows * lists.q2k_capacity)), count(static_cast<std::size_t>(rows));
   VSA_REQUIRE_RT(copy_to_host(q2k.data(), lists.q2k, q2k.size() * sizeof(int32_t)));
   VSA_REQUIRE_RT(copy_to_host(count.data(), lists.q2k_count, count.size() * sizeof(int32_t)));
-  const backward_io bio{dq_in.cview(), dk_in.cview(), dv_in.cview(), dgate.cview(), o.cview(),
-                        dd_o.cview(),  dq.view(),     dk.view(),     dv.view(),     dg.view()};
+  const backward_io bio{dq_in.cview(), dk_in.cview(), dv_in.cview(), gate_in,   o.cview(),
+                        dd_o.cview(),  dq.view(),     dk.view(),     dv.view(), dg_out};
   st = packed_backward(pp, opt, bio, ws.get(), bytes, nullptr);
   INFO(st.message());
   REQUIRE(st.is_ok());
   VSA_REQUIRE_RT(gpu_sync());
   for (const device_tensor* x : {&dq, &dk, &dv, &dg}) {
+    if (x == &dg && !gated) continue;
     CHECK(x->all_written());
     CHECK(x->canaries_intact());
   }
@@ -123,16 +127,16 @@ void check_packed_op(const packed_config& c) {
     std::size_t own_bytes = 0;
     REQUIRE(backward(ps, opt, backward_io{}, nullptr, own_bytes, nullptr).is_ok());
     device_buffer own_ws(own_bytes);
+    const const_tensor own_gate = gated ? sample_view(dgate.cview(), b, s, c.type) : const_tensor{};
     const forward_io own{sample_view(dq_in.cview(), b, s, c.type), sample_view(dk_in.cview(), b, s, c.type),
-                         sample_view(dv_in.cview(), b, s, c.type), sample_view(dgate.cview(), b, s, c.type),
-                         sample_view(o_own.view(), b, s, c.type)};
+                         sample_view(dv_in.cview(), b, s, c.type), own_gate, sample_view(o_own.view(), b, s, c.type)};
     st = forward(ps, opt, own, own_ws.get(), own_bytes, nullptr);
     INFO(st.message());
     REQUIRE(st.is_ok());
     const auto in = [&](const device_tensor& x) { return sample_view(x.cview(), b, s, c.type); };
     const auto out = [&](device_tensor& x) { return sample_view(x.view(), b, s, c.type); };
-    const backward_io own_b{in(dq_in), in(dk_in),   in(dv_in),   in(dgate),   in(o_own),
-                            in(dd_o),  out(dq_own), out(dk_own), out(dv_own), out(dg_own)};
+    const backward_io own_b{in(dq_in), in(dk_in),   in(dv_in),   own_gate,    in(o_own),
+                            in(dd_o),  out(dq_own), out(dk_own), out(dv_own), gated ? out(dg_own) : tensor{}};
     st = backward(ps, opt, own_b, own_ws.get(), own_bytes, nullptr);
     INFO(st.message());
     REQUIRE(st.is_ok());
@@ -161,7 +165,7 @@ void check_packed_op(const packed_config& c) {
   check_against_samples(c, b, "dq", dq, dq_own);
   check_against_samples(c, b, "dk", dk, dk_own);
   check_against_samples(c, b, "dv", dv, dv_own);
-  check_against_samples(c, b, "dgate", dg, dg_own);
+  if (gated) check_against_samples(c, b, "dgate", dg, dg_own);
 
   // The first sample against the CPU reference of the whole op, on the lists the GPU selected (near-tied coarse
   // scores may rank differently in the reference's double precision).
@@ -170,7 +174,7 @@ void check_packed_op(const packed_config& c) {
                     g0 = sample_of(gate, b, 0);
   host_tensor o_ref = q0;
   const const_index_lists lists0{q2k0.data(), count0.data(), capacity0, nullptr, nullptr};
-  const forward_io rio{q0.view(), k0.view(), v0.view(), g0.view(), o_ref.view()};
+  const forward_io rio{q0.view(), k0.view(), v0.view(), gated ? g0.view() : const_tensor{}, o_ref.view()};
   std::size_t ref_bytes = 0;
   REQUIRE(reference::forward_on_lists(p0, opt, rio, lists0, nullptr, ref_bytes).is_ok());
   aligned_buffer ref_ws(ref_bytes);
@@ -191,7 +195,8 @@ std::vector<packed_config> op_configs() {
 }
 
 TEST_CASE("a packed batch's whole op, forward and backward, is its samples' own", "[gpu][packed][op]") {
-  for (const packed_config& c : op_configs()) check_packed_op(c);
+  const std::vector<packed_config> configs = op_configs();
+  for (std::size_t i = 0; i < configs.size(); ++i) check_packed_op(configs[i], i % 2 == 0);
 }
 
 TEST_CASE("the packed op rejects what a packed batch cannot take", "[gpu][packed][op]") {
@@ -214,6 +219,30 @@ TEST_CASE("the packed op rejects what a packed batch cannot take", "[gpu][packed
   packed_problem none = pp;
   none.samples = 0;
   CHECK(packed_forward(none, options{}, forward_io{}, nullptr, bytes, nullptr).code() == errc::bad_batch);
+
+  // A gate without its gradient, and a gradient without a gate: rejected before anything runs, the outputs untouched.
+  VSA_TEST_RNG(g, "packed op rejects");
+  const batch_layout b(c.grids);
+  const host_tensor q = packed_input(c, b, c.q_heads, g), k = packed_input(c, b, c.kv_heads, g);
+  const device_tensor dq_in(q), dk_in(k), gate(q);
+  device_tensor o(q, poisoned), dq(q, poisoned), dk(k, poisoned), dv(k, poisoned), dg(q, poisoned);
+  REQUIRE(packed_backward(pp, options{}, backward_io{}, nullptr, bytes, nullptr).is_ok());
+  device_buffer ws(bytes);
+  REQUIRE(packed_forward(pp, options{}, forward_io{dq_in.cview(), dk_in.cview(), dk_in.cview(), gate.cview(), o.view()},
+                         ws.get(), bytes, nullptr)
+              .is_ok());
+  backward_io bio{dq_in.cview(), dk_in.cview(), dk_in.cview(), gate.cview(), o.cview(),
+                  dq_in.cview(), dq.view(),     dk.view(),     dv.view(),    tensor{}};
+  st = packed_backward(pp, options{}, bio, ws.get(), bytes, nullptr);
+  CHECK(st.code() == errc::null_pointer);
+  CHECK(mentions(st, "dgate"));
+  bio.gate = const_tensor{};
+  bio.dgate = dg.view();
+  st = packed_backward(pp, options{}, bio, ws.get(), bytes, nullptr);
+  CHECK(st.code() == errc::bad_argument);
+  CHECK(mentions(st, "dgate"));
+  VSA_REQUIRE_RT(gpu_sync());
+  for (const device_tensor* x : {&dq, &dk, &dv, &dg}) CHECK(x->poisoned_elements() == x->shape().elements());
 }
 
 } // namespace

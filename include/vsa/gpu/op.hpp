@@ -221,6 +221,7 @@ template <class W> status check_backward_io(const problem& p, const W& w, float 
   if (s) s = check_gate(p, w, io.gate, tokens);
   if (s && io.dgate.data != nullptr && io.gate.data == nullptr)
     s = status::error(errc::bad_argument, "dgate: given without a gate");
+  if (s) s = gpu::detail::check_gate_pair(io.gate, io.dgate.data); // a gate's gradient is written
   if (s && io.dgate.data != nullptr) s = check_tensor("dgate", io.dgate, p, p.q_heads, out_tokens, target::gpu);
   return s;
 }

@@ -144,7 +144,7 @@ __global__ void __launch_bounds__((4 * warp_mma<E, D>::threads))
     __syncthreads(); // every warp has read K before a later step's copy refills this stage
   }
 
-  float* f32 = p.dq_f32 != nullptr ? p.dq_f32 + (bh * s.rows_total() + i * 64) * D : nullptr;
+  float* f32 = p.dq_f32 != nullptr ? p.dq_f32 + (bh * s.rows_total() + s.token0(i)) * D : nullptr;
   with_out_rows<RasterOut, M>(p.dq, s, b, h, i, row0, q_valid, [&](const auto& rows) {
     if constexpr (Sched::joint) {
       store_band<E, D, M, Sched>(dq, p.scale, row0, q_valid, rows, f32, s.video_tile(i) ? p.fold_q : nullptr,

@@ -192,7 +192,9 @@ template <class E, int D, class Sched> status launch_backward(const backward_par
   b.tma = 0;
   // On Hopper the tiles go through the copy engine where all four maps encode (hopper_tma.hpp). The maps end
   // at the rows that exist in memory: the coarse pass's last block of means is short, and the copy engine
-  // fills the rows past the end with zeros instead of reading them.
+  // fills the rows past the end with zeros instead of reading them. A short block of a packed batch's coarse pass
+  // (packed_dense_schedule) is followed by the next sample's rows, which the copy engine reads: the feeds' waits
+  // zero every row past the valid count before a product reads it (hopper/feeds.hpp).
   const int64_t tokens = q_sched.rows_total();
   const auto map = [&](tma_map& m, const operand& x, int64_t heads) {
     return encode_tile_map(m, x.data, batch, tokens, heads, D, x.batch, x.token, x.head);
