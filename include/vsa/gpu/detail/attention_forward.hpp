@@ -87,9 +87,20 @@ __global__ void __launch_bounds__((forward_threads<E, D>(hopper_code, Sched::few
   // narrow loop: there it made ptxas spill more at 128 registers (16 -> 44 bytes) and measured 0.5-1.5% slower,
   // where the loop of one width gained 3% (bench/NOTES.md, v15).
   constexpr auto tune = tuning::of(hopper_code).forward(Sched::few_blocks);
+  // Hopper at head dim 64: the products of a step overlap the softmax of the next (smem_plan::forward_overlap).
+  constexpr bool overlap = smem_plan<D>::forward_overlap(hopper_code, Sched::few_blocks);
+  // Hopper's sparse pass takes its K and V tiles through the copy engine where the host encoded their maps
+  // (smem_plan::forward_copy_engine; hopper/feeds.hpp; elsewhere the feed does nothing). Each tile's next copy is
+  // asked for as soon as the products reading its stage are done. With one stage the next K is in flight during
+  // the softmax and P·V, the next V during the next Q·Kᵀ; the overlapped loop has two.
+  constexpr bool engine = smem_plan<D>::forward_copy_engine(hopper_code, Sched::few_blocks) && (stages == 1 || overlap);
+  // The overlapped loop takes every step whole; the one-step loop beside it runs only where the copy engine's maps
+  // did not encode, and takes them whole too: with narrow steps there, ptxas serialized every wgmma of the kernel,
+  // the overlapped loop's included (C7511; bench/NOTES.md, v34).
+  constexpr bool narrow = Narrow && !(overlap && engine);
   using row_sums = row_sums_by_product<M>;
   constexpr bool matrix_sums =
-      row_sums::value && (!Narrow || tune.ones_narrow) && smem_plan<D>::forward_ones(hopper_code, Sched::few_blocks);
+      row_sums::value && (!narrow || tune.ones_narrow) && smem_plan<D>::forward_ones(hopper_code, Sched::few_blocks);
   uint16_t* const ones = sm + (2 * stages + 1) * 64 * D;
 
   int64_t i, h, b;
@@ -105,13 +116,6 @@ __global__ void __launch_bounds__((forward_threads<E, D>(hopper_code, Sched::few
   int64_t begin, end;
   s.range(bh, i, begin, end);
   const int64_t steps = end - begin;
-  // Hopper at head dim 64: the products of a step overlap the softmax of the next (smem_plan::forward_overlap).
-  constexpr bool overlap = smem_plan<D>::forward_overlap(hopper_code, Sched::few_blocks);
-  // Hopper's sparse pass takes its K and V tiles through the copy engine where the host encoded their maps
-  // (smem_plan::forward_copy_engine; hopper/feeds.hpp; elsewhere the feed does nothing). Each tile's next copy is
-  // asked for as soon as the products reading its stage are done. With one stage the next K is in flight during
-  // the softmax and P·V, the next V during the next Q·Kᵀ; the overlapped loop has two.
-  constexpr bool engine = smem_plan<D>::forward_copy_engine(hopper_code, Sched::few_blocks) && (stages == 1 || overlap);
   static_assert(!(engine && q_in_v), "the copy engine's first load fills V's slot while Q is in it");
   using feed_type = kv_feed<D, 2 * stages, forward_params, engine>;
   __shared__ __align__(8) typename feed_type::barriers ready; // K, then V, of each stage
@@ -297,7 +301,7 @@ __global__ void __launch_bounds__((forward_threads<E, D>(hopper_code, Sched::few
 
       // The step at the key tile's width (with_step_width): products, softmax and the clear of V's rows.
       // Each stage of the step runs every band before the next stage, so that a warp's bands overlap.
-      with_step_width<Narrow>(kv, [&](auto width) {
+      with_step_width<narrow>(kv, [&](auto width) {
         constexpr int W = decltype(width)::value;
         typename M::score_tile st[bands];
         if constexpr (!products_s) {
@@ -385,6 +389,10 @@ __global__ void __launch_bounds__((forward_threads<E, D>(hopper_code, Sched::few
   }
 
   const int64_t rows_total = s.rows_total();
+  // Raster order: o's rows are staged in stage 0's K and V slots (staged_rows), free once every warp's last step
+  // has read them.
+  static_assert(staged_rows<D>::bytes <= 2 * smem_tile<D>::bytes, "the staging tile fits stage 0");
+  if constexpr (RasterOut) __syncthreads();
 #pragma unroll
   for (int bd = 0; bd < bands; ++bd) {
     const int row0 = band_row(bd);
@@ -402,7 +410,14 @@ __global__ void __launch_bounds__((forward_threads<E, D>(hopper_code, Sched::few
     const bool combined = p.o_c != nullptr && s.video_tile(i);
     const uint16_t* oc = combined ? p.o_c + (bh * s.video_tiles() + i) * D : nullptr;
     const uint16_t* gate = combined && p.gate.data != nullptr ? p.gate.at(b, h, s.token0(i)) : nullptr;
-    with_out_rows<RasterOut, M>(p.o, s, b, h, i, row0, q_valid, [&](const auto& out) {
+    const auto out_rows = [&](auto&& f) {
+      if constexpr (RasterOut) {
+        f(staged_rows<D>{sm});
+      } else {
+        with_out_rows<false, M>(p.o, s, b, h, i, row0, q_valid, f);
+      }
+    };
+    out_rows([&](const auto& out) {
 #pragma unroll
       for (int e = 0; e < M::out_elems; e += 2) {
         const int row = row0 + M::elem_row(e), col = M::elem_col(e);
@@ -425,6 +440,10 @@ __global__ void __launch_bounds__((forward_threads<E, D>(hopper_code, Sched::few
         }
       }
     });
+  }
+  if constexpr (RasterOut) {
+    __syncthreads();
+    store_staged_rows<D>(p.o, s.geo, b, h, i, q_valid, staged_rows<D>{sm}, tid, nthreads);
   }
 }
 

@@ -293,6 +293,36 @@ __device__ __forceinline__ void with_out_rows(const operand& t, bool raster, con
   with_out_rows<false, M>(t, s, b, h, i, row0, valid, f);
 }
 
+// The forward's raster epilogue (the whole op's output_order): the block's rows of o go
+// through shared memory instead of straight to their tokens. Each lane stores its fragments at tiled positions of a
+// staging tile (staged_rows, as tiled_rows does in global memory), and after a barrier the block copies the tile's
+// valid rows to their raster tokens, 16 bytes a thread at a time (store_staged_rows). The epilogue then needs no
+// token addresses beside o's accumulators: with them ptxas serialized every wgmma of the narrow-step kernels (C7511,
+// bench/NOTES.md v34), and the copies are whole rows. Rows are D + 8 elements apart, so that the 8 rows one store
+// instruction of the matrix layouts writes fall on different banks.
+template <int D> struct staged_rows {
+  static constexpr int stride = D + 8;
+  static constexpr int bytes = tile_rows * stride * 2;
+  uint16_t* base; // shared memory, 16-byte aligned
+  __device__ __forceinline__ uint16_t* row(int r, int) const { return base + r * stride; }
+  __device__ __forceinline__ static bool skips(int r, int valid) { return r >= valid; }
+};
+// Copies the staged rows below `valid` of tile i to their raster tokens of t (head h of batch b). Every thread of
+// the block calls it after the barrier that follows the staging stores.
+template <int D>
+__device__ __forceinline__ void store_staged_rows(const operand& t, const tile_geometry& geo, int64_t b, int64_t h,
+                                                  int64_t i, int valid, const staged_rows<D>& staged, int tid,
+                                                  int nthreads) {
+  constexpr int chunks = D / 8; // 16-byte chunks a row
+  const raster_rows map = geo.raster_rows_of(i);
+  uint16_t* const head = t.data + b * t.batch + h * t.head;
+  for (int c = tid; c < valid * chunks; c += nthreads) {
+    const int r = c / chunks, part = c % chunks;
+    *reinterpret_cast<uint4*>(head + map.token(r) * t.token + part * 8) =
+        *reinterpret_cast<const uint4*>(staged.row(r, 0) + part * 8);
+  }
+}
+
 struct dense_schedule {
   static constexpr bool joint = false;
   static constexpr bool listed_rows = false;
