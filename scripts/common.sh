@@ -133,3 +133,18 @@ vsa_abs_dir() {
   *) printf '%s\n' "$PWD/$1" ;;
   esac
 }
+
+# vsa_wgmma_serialized <build log>: lists the kernels whose wgmma ptxas serialized, as the log of an NVIDIA build
+# reports them (scripts/compile-gpu, bench/run-gpu), or says that the log reports none.
+vsa_wgmma_serialized() {
+  local found
+  found="$(grep -a "wgmma.mma_async instructions are serialized" "$1" | grep -o "(C75[0-9]*).*function '[^']*'" |
+    sed "s/^(\(C75[0-9]*\)).*function '\(.*\)'\$/\2 \1/" | sort -u | { c++filt 2>/dev/null || cat; } |
+    sed 's/vsa::gpu::detail:://g; s/vsa::gpu:://g')" || true
+  if [ -n "$found" ]; then
+    vsa_say "warning: ptxas serialized the wgmma of $(printf '%s\n' "$found" | wc -l) kernel(s):"
+    printf '%s\n' "$found" | sed 's/^/  /'
+  else
+    vsa_say "no serialized wgmma reported in what this build compiled"
+  fi
+}

@@ -196,20 +196,20 @@ void check_packed_op_given_lists(const packed_config& c) {
   const host_tensor q = packed_input(c, b, c.q_heads, g), k = packed_input(c, b, c.kv_heads, g),
                     v = packed_input(c, b, c.kv_heads, g), d_o = packed_input(c, b, c.q_heads, g);
   const device_tensor dq_in(q), dk_in(k), dv_in(v), dd_o(d_o);
-  // Every sample's rows share the batch's capacity: at most 4 entries, and no more than the smallest sample's tiles.
-  int64_t capacity = 4;
-  for (std::size_t s = 0; s < c.grids.size(); ++s) capacity = std::min(capacity, b.tiles[s]);
+  // Each sample's rows hold up to min(4, N_s) entries (its own call's capacity); the batch's rows take 4.
+  constexpr int64_t capacity = 4;
   std::vector<q2k_lists> own(c.grids.size());
   std::vector<int32_t> q2k(static_cast<std::size_t>(c.q_heads * b.total * capacity), -1),
       count(static_cast<std::size_t>(c.q_heads * b.total));
   for (std::size_t s = 0; s < c.grids.size(); ++s) {
-    own[s] = random_lists(make_problem(c.grids[s], 1, c.q_heads, c.kv_heads, c.head_dim, c.type), capacity, g);
+    const int64_t own_capacity = std::min(capacity, b.tiles[s]);
+    own[s] = random_lists(make_problem(c.grids[s], 1, c.q_heads, c.kv_heads, c.head_dim, c.type), own_capacity, g);
     for (int64_t h = 0; h < c.q_heads; ++h)
       for (int64_t i = 0; i < b.tiles[s]; ++i) {
         const int64_t row = h * b.total + b.first[s] + i, own_row = h * b.tiles[s] + i;
         count[row] = own[s].count[own_row];
         for (int32_t e = 0; e < count[row]; ++e)
-          q2k[row * capacity + e] = own[s].q2k[own_row * capacity + e] + static_cast<int32_t>(b.first[s]);
+          q2k[row * capacity + e] = own[s].q2k[own_row * own_capacity + e] + static_cast<int32_t>(b.first[s]);
       }
   }
   const device_buffer d_q2k = upload(q2k), d_count = upload(count);
@@ -218,18 +218,19 @@ void check_packed_op_given_lists(const packed_config& c) {
 
   device_tensor o(q, poisoned), o_own(q, poisoned), dq(q, poisoned), dk(k, poisoned), dv(v, poisoned),
       dq_own(q, poisoned), dk_own(k, poisoned), dv_own(v, poisoned);
-  std::size_t bytes = 0;
+  std::size_t bytes = 0, forward_bytes = 0;
   REQUIRE(packed_backward(pp, opt, backward_io{}, nullptr, bytes, nullptr).is_ok());
+  REQUIRE(packed_forward(pp, opt, forward_io{}, nullptr, forward_bytes, nullptr).is_ok());
+  CHECK(bytes >= forward_bytes);
   device_buffer ws(bytes);
   ws.poison();
   status st = packed_forward(pp, opt, forward_io{dq_in.cview(), dk_in.cview(), dv_in.cview(), {}, o.view()}, ws.get(),
                              bytes, nullptr);
   INFO(st.message());
   REQUIRE(st.is_ok());
-  st = packed_backward(pp, opt,
-                       backward_io{dq_in.cview(), dk_in.cview(), dv_in.cview(), {}, o.cview(), dd_o.cview(),
-                                   dq.view(), dk.view(), dv.view(), {}},
-                       ws.get(), bytes, nullptr);
+  const backward_io bio{dq_in.cview(), dk_in.cview(), dv_in.cview(), {},        o.cview(),
+                        dd_o.cview(),  dq.view(),     dk.view(),     dv.view(), {}};
+  st = packed_backward(pp, opt, bio, ws.get(), bytes, nullptr);
   INFO(st.message());
   REQUIRE(st.is_ok());
   VSA_REQUIRE_RT(gpu_sync());
@@ -244,7 +245,7 @@ void check_packed_op_given_lists(const packed_config& c) {
     const problem ps = make_problem(c.grids[s], 1, c.q_heads, c.kv_heads, c.head_dim, c.type);
     const device_buffer s_q2k = upload(own[s].q2k), s_count = upload(own[s].count);
     options own_opt;
-    own_opt.q2k = const_index_lists{s_q2k.as<int32_t>(), s_count.as<int32_t>(), capacity, nullptr, nullptr};
+    own_opt.q2k = const_index_lists{s_q2k.as<int32_t>(), s_count.as<int32_t>(), own[s].capacity, nullptr, nullptr};
     std::size_t own_bytes = 0;
     REQUIRE(backward(ps, own_opt, backward_io{}, nullptr, own_bytes, nullptr).is_ok());
     device_buffer own_ws(own_bytes);
@@ -254,10 +255,9 @@ void check_packed_op_given_lists(const packed_config& c) {
                  nullptr);
     INFO(st.message());
     REQUIRE(st.is_ok());
-    st = backward(ps, own_opt,
-                  backward_io{in(dq_in), in(dk_in), in(dv_in), {}, in(o_own), in(dd_o), out(dq_own), out(dk_own),
-                              out(dv_own), {}},
-                  own_ws.get(), own_bytes, nullptr);
+    const backward_io own_b{in(dq_in), in(dk_in),   in(dv_in),   {},          in(o_own),
+                            in(dd_o),  out(dq_own), out(dk_own), out(dv_own), {}};
+    st = backward(ps, own_opt, own_b, own_ws.get(), own_bytes, nullptr);
     INFO(st.message());
     REQUIRE(st.is_ok());
     VSA_REQUIRE_RT(gpu_sync()); // the sample's lists and workspace are freed at the end of this iteration

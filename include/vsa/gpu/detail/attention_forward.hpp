@@ -392,6 +392,8 @@ __global__ void __launch_bounds__((forward_threads<E, D>(hopper_code, Sched::few
   // Raster order: o's rows are staged in stage 0's K and V slots (staged_rows), free once every warp's last step
   // has read them.
   static_assert(staged_rows<D>::bytes <= 2 * smem_tile<D>::bytes, "the staging tile fits stage 0");
+  static_assert(!RasterOut || (Sched::has_padding_rows && !Sched::joint),
+                "only the sparse schedule's tiles are video tiles");
   if constexpr (RasterOut) __syncthreads();
 #pragma unroll
   for (int bd = 0; bd < bands; ++bd) {

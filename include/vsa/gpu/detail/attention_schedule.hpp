@@ -309,10 +309,10 @@ template <int D> struct staged_rows {
 };
 // Copies the staged rows below `valid` of tile i to their raster tokens of t (head h of batch b). Every thread of
 // the block calls it after the barrier that follows the staging stores.
-template <int D>
-__device__ __forceinline__ void store_staged_rows(const operand& t, const tile_geometry& geo, int64_t b, int64_t h,
-                                                  int64_t i, int valid, const staged_rows<D>& staged, int tid,
-                                                  int nthreads) {
+template <int D> __device__ __forceinline__ void store_staged_rows(const operand& t, const tile_geometry& geo,
+                                                                   int64_t b, int64_t h, int64_t i, int valid,
+                                                                   const staged_rows<D>& staged, int tid,
+                                                                   int nthreads) {
   constexpr int chunks = D / 8; // 16-byte chunks a row
   const raster_rows map = geo.raster_rows_of(i);
   uint16_t* const head = t.data + b * t.batch + h * t.head;
