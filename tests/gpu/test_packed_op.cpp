@@ -54,6 +54,18 @@ bool same_rows(const void* packed_state, std::size_t packed, const void* own_sta
   return true;
 }
 
+// One workspace for both passes of the packed op, poisoned: the backward's size, which holds the forward's.
+device_buffer op_workspace(const packed_problem& pp, const options& opt, std::size_t& bytes) {
+  std::size_t forward_bytes = 0;
+  bytes = 0;
+  REQUIRE(packed_backward(pp, opt, backward_io{}, nullptr, bytes, nullptr).is_ok());
+  REQUIRE(packed_forward(pp, opt, forward_io{}, nullptr, forward_bytes, nullptr).is_ok());
+  CHECK(bytes >= forward_bytes);
+  device_buffer ws(bytes);
+  ws.poison();
+  return ws;
+}
+
 // The same of one sample's own lists.
 std::vector<int32_t> rows_of(const std::vector<int32_t>& q2k, const std::vector<int32_t>& count, int64_t capacity,
                              int64_t rows) {
@@ -82,13 +94,8 @@ void check_packed_op(const packed_config& c, bool gated) {
   // The gradients, poisoned: the packed call's, and each sample's own in its slots of the second set.
   device_tensor dq(q, poisoned), dk(k, poisoned), dv(v, poisoned), dg(gate, poisoned), dq_own(q, poisoned),
       dk_own(k, poisoned), dv_own(v, poisoned), dg_own(gate, poisoned);
-  // One workspace for both passes: the backward's size, which holds the forward's.
-  std::size_t bytes = 0, forward_bytes = 0;
-  REQUIRE(packed_backward(pp, opt, backward_io{}, nullptr, bytes, nullptr).is_ok());
-  REQUIRE(packed_forward(pp, opt, forward_io{}, nullptr, forward_bytes, nullptr).is_ok());
-  CHECK(bytes >= forward_bytes);
-  device_buffer ws(bytes);
-  ws.poison();
+  std::size_t bytes = 0;
+  const device_buffer ws = op_workspace(pp, opt, bytes);
   const const_tensor gate_in = gated ? dgate.cview() : const_tensor{};
   const tensor dg_out = gated ? dg.view() : tensor{};
   const forward_io io{dq_in.cview(), dk_in.cview(), dv_in.cview(), gate_in, o.view()};
@@ -218,12 +225,8 @@ void check_packed_op_given_lists(const packed_config& c) {
 
   device_tensor o(q, poisoned), o_own(q, poisoned), dq(q, poisoned), dk(k, poisoned), dv(v, poisoned),
       dq_own(q, poisoned), dk_own(k, poisoned), dv_own(v, poisoned);
-  std::size_t bytes = 0, forward_bytes = 0;
-  REQUIRE(packed_backward(pp, opt, backward_io{}, nullptr, bytes, nullptr).is_ok());
-  REQUIRE(packed_forward(pp, opt, forward_io{}, nullptr, forward_bytes, nullptr).is_ok());
-  CHECK(bytes >= forward_bytes);
-  device_buffer ws(bytes);
-  ws.poison();
+  std::size_t bytes = 0;
+  const device_buffer ws = op_workspace(pp, opt, bytes);
   status st = packed_forward(pp, opt, forward_io{dq_in.cview(), dk_in.cview(), dv_in.cview(), {}, o.view()}, ws.get(),
                              bytes, nullptr);
   INFO(st.message());
