@@ -170,7 +170,7 @@ void check_joint(const config& c, extra_tokens extra, int64_t capacity, const ch
     const std::size_t fixed = least - fewest.bytes();
     const vsa::detail::joint_backward_scratch full(p, t, capacity, bytes - fixed);
     CHECK(fixed + full.bytes() == bytes);
-    CHECK((full.units == p.batch * p.kv_heads) == gpu::detail::stores_ds_for(p.type, p.head_dim));
+    CHECK((full.units == p.batch * p.kv_heads) == gpu::detail::stores_ds_for(p.type, p.head_dim, true));
     if (full.units > 0) one_head = least + full.map + full.slots / full.units;
     CHECK(vsa::detail::joint_backward_scratch(p, t, capacity, one_head - fixed).units == (full.units > 0 ? 1 : 0));
   }

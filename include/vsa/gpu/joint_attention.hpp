@@ -212,7 +212,7 @@ struct joint_backward_scratch : sparse_backward_scratch {
   }
   joint_backward_scratch(const problem& p, const joint_tiles& t, int64_t capacity, std::size_t available)
       : joint_backward_scratch(p, t) {
-    if (capacity >= 1 && capacity <= t.video) add_slots(p, joint_ds_pairs(t, capacity), t.all * t.all, available);
+    if (capacity >= 1 && capacity <= t.video) add_slots(p, joint_ds_pairs(t, capacity), t.all * t.all, available, true);
   }
   // The size query's answer: every kv head's slots where they fit in stored_ds_budget, else as many as fit.
   static std::size_t preferred(const problem& p, const joint_tiles& t, int64_t capacity) {

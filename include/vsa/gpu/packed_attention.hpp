@@ -148,7 +148,7 @@ inline std::size_t packed_backward_fixed_bytes(const problem& whole, int64_t cap
 }
 inline std::size_t packed_backward_bytes(const problem& whole, int64_t capacity, bool preferred) {
   return packed_backward_fixed_bytes(whole, capacity) + (preferred
-                                                             ? sparse_attention_backward_workspace(whole, capacity)
+                                                             ? sparse_backward_preferred_bytes(whole, capacity, true)
                                                              : sparse_attention_backward_workspace(whole));
 }
 
@@ -241,7 +241,7 @@ status packed_sparse_attention_backward(const packed_problem& pp, float scale, c
   const detail::video_backward_workspace w(p, capacity);
   const std::size_t table_bytes = detail::packed_table_bytes(p),
                     fixed = detail::packed_backward_fixed_bytes(p, capacity);
-  const std::size_t used = fixed + detail::sparse_backward_scratch(p, capacity, workspace_bytes - fixed).bytes();
+  const std::size_t used = fixed + detail::sparse_backward_scratch(p, capacity, workspace_bytes - fixed, true).bytes();
   if (s) s = check_sparse_backward_disjoint(p, q, k, v, o_s, d_o, lse, idx, false, dq, dk, dv, workspace, used);
   if (!s) return s;
 
@@ -262,7 +262,7 @@ status packed_sparse_attention_backward(const packed_problem& pp, float scale, c
   gpu::detail::delta_params dp =
       detail::delta_base(p, gpu::detail::make_operand(o_s), gpu::detail::make_operand(d_o), qs);
   if (!(s = detail::prepare_sparse_backward(p, as_const(lists), backward_scratch, workspace_bytes - fixed, bp, dp,
-                                            stream)))
+                                            stream, true)))
     return s;
   return detail::run_backward(p, dp, bp, qs, ks, stream);
 }

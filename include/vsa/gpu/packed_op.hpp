@@ -124,7 +124,7 @@ inline status plan_packed_op(const packed_problem& pp, const options& opt, packe
     w.b_scores = take(scores_bytes);
     w.coarse_delta = take(bh * n * sizeof(float));
   }
-  w.sparse_scratch = take(sparse_attention_backward_workspace(p, w.capacity));
+  w.sparse_scratch = take(sparse_backward_preferred_bytes(p, w.capacity, true)); // the joint schedule's
   w.backward_scratch_bytes = off;
   return status::ok();
 }
@@ -294,7 +294,7 @@ template <class = void> status packed_backward_planned(const packed_problem& pp,
   dp.o_c = o_c;
   dp.o_residual = w.at<const int8_t>(state, w.o_residual);
   s = prepare_sparse_backward(p, idx, w.at(scratch, w.sparse_scratch), w.backward_scratch_bytes - w.sparse_scratch, bp,
-                              dp, stream);
+                              dp, stream, true);
   return s ? run_backward(p, dp, bp, qs, ks, stream) : s;
 }
 

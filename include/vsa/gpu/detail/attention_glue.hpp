@@ -155,16 +155,18 @@ struct sparse_backward_scratch {
         order(align_up(sizeof(int32_t) * p.batch * p.kv_heads * tiles_)), tiles(tiles_) {}
   explicit sparse_backward_scratch(const problem& p)
       : sparse_backward_scratch(p, tile_geometry(p.grid).num_tiles() * 64, tile_geometry(p.grid).num_tiles()) {}
-  sparse_backward_scratch(const problem& p, int64_t capacity, std::size_t available) : sparse_backward_scratch(p) {
+  // joint_schedule: the pass runs on the joint schedule (a packed batch stated as one grid).
+  sparse_backward_scratch(const problem& p, int64_t capacity, std::size_t available, bool joint_schedule = false)
+      : sparse_backward_scratch(p) {
     const int64_t n = tile_geometry(p.grid).num_tiles();
-    if (capacity >= 1 && capacity <= n) add_slots(p, n * capacity, n * capacity, available);
+    if (capacity >= 1 && capacity <= n) add_slots(p, n * capacity, n * capacity, available, joint_schedule);
   }
   std::size_t bytes() const { return delta + counts + order + map + slots; }
 
 protected:
   // The map (map_entries a query head) and the slots of as many kv heads as fit (pairs a query head).
-  void add_slots(const problem& p, int64_t pairs, int64_t map_entries, std::size_t available) {
-    if (!gpu::detail::stores_ds_for(p.type, p.head_dim)) return;
+  void add_slots(const problem& p, int64_t pairs, int64_t map_entries, std::size_t available, bool joint_schedule) {
+    if (!gpu::detail::stores_ds_for(p.type, p.head_dim, joint_schedule)) return;
     const std::size_t unit = align_up(static_cast<std::size_t>(p.q_heads / p.kv_heads) * pairs * gpu::tile_rows *
                                       gpu::tile_rows * dtype_size(p.type));
     const std::size_t map_bytes = align_up(sizeof(int32_t) * p.batch * p.q_heads * map_entries), base = bytes();
@@ -176,9 +178,9 @@ protected:
   }
 };
 // The size query's answer: the slots of every kv head where they fit in stored_ds_budget, else as many as fit.
-inline std::size_t sparse_backward_preferred_bytes(const problem& p, int64_t capacity) {
+inline std::size_t sparse_backward_preferred_bytes(const problem& p, int64_t capacity, bool joint_schedule = false) {
   const sparse_backward_scratch minimum(p);
-  return sparse_backward_scratch(p, capacity, minimum.bytes() + stored_ds_budget).bytes();
+  return sparse_backward_scratch(p, capacity, minimum.bytes() + stored_ds_budget, joint_schedule).bytes();
 }
 
 // The order kernels' parameters over `tiles` key tiles a kv head, from the k2q lists' offsets (launch_order); the last
@@ -222,12 +224,13 @@ inline status carve_backward_scratch(const problem& p, const sparse_backward_scr
   return gpu::detail::launch_order(op, stream);
 }
 
-// The video pass's: its scratch of scratch_bytes.
+// The video pass's (or a packed batch's: joint_schedule): its scratch of scratch_bytes.
 inline status prepare_sparse_backward(const problem& p, const const_index_lists& idx, void* scratch,
                                       std::size_t scratch_bytes, gpu::detail::backward_params& bp,
-                                      gpu::detail::delta_params& dp, gpu::stream_t stream) {
-  return carve_backward_scratch(p, sparse_backward_scratch(p, idx.q2k_capacity, scratch_bytes), idx.k2q_offset, scratch,
-                                bp, dp, stream);
+                                      gpu::detail::delta_params& dp, gpu::stream_t stream,
+                                      bool joint_schedule = false) {
+  return carve_backward_scratch(p, sparse_backward_scratch(p, idx.q2k_capacity, scratch_bytes, joint_schedule),
+                                idx.k2q_offset, scratch, bp, dp, stream);
 }
 
 // The forward kernels for the problem's dtype and head dim.

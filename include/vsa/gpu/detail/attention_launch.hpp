@@ -104,7 +104,7 @@ inline status launch_order(const order_params& op, stream_t stream) {
 // The sparse backward with dq from stored dS (attention_dq_stored.hpp): the map of q2k entries to k2q positions,
 // then over groups of bp.ds_units kv heads (the slots the workspace holds), dk/dv storing each pair's dS and dq
 // reading them. Sched: the video's sparse_schedule or the joint pass's.
-// split: dk/dv is Hopper's warp-specialized kernel (launch_backward decides; the video's schedule only).
+// split: dk/dv is Hopper's warp-specialized kernel (launch_backward decides).
 template <class E, int D, class Sched> status launch_backward_stored(const backward_params& bp, const Sched& q_sched,
                                                                      const Sched& k_sched, int64_t batch, bool hopper,
                                                                      bool split, stream_t stream) {
@@ -115,13 +115,13 @@ template <class E, int D, class Sched> status launch_backward_stored(const backw
     });
   });
   const auto dkdv = attention_dkdv_kernel<E, D, Sched, 0, true>;
-  constexpr bool has_split = D == 128 && !Sched::joint; // Hopper's storing dk/dv: the video's schedule
+  constexpr bool has_split = D == 128; // Hopper's storing dk/dv
   const int dq_smem = dq_stored_plan<D>::bytes, dkdv_smem = smem_plan<D>::dkdv_bytes(hopper);
   status st = prepare(dq, dq_smem);
   if (st && !split) st = prepare(dkdv, dkdv_smem);
   if constexpr (has_split) {
     if (st && split)
-      st = prepare(hopper::hopper_dkdv_kernel<E, D, hopper::dkdv_tuning, true>, hopper::dkdv_plan<D>::bytes);
+      st = prepare(hopper::hopper_dkdv_kernel<E, D, hopper::dkdv_tuning, true, Sched>, hopper::dkdv_plan<D>::bytes);
   }
   if (!st) return st;
   const int64_t tiles = q_sched.tiles;
@@ -138,8 +138,8 @@ template <class E, int D, class Sched> status launch_backward_stored(const backw
     const unsigned blocks = static_cast<unsigned>(n * tiles);
     if constexpr (has_split) {
       if (split) {
-        st = launch("attention backward (dk, dv)", hopper::hopper_dkdv_kernel<E, D, hopper::dkdv_tuning, true>, blocks,
-                    hopper::block_threads, hopper::dkdv_plan<D>::bytes, stream, false, b, k_sched);
+        st = launch("attention backward (dk, dv)", hopper::hopper_dkdv_kernel<E, D, hopper::dkdv_tuning, true, Sched>,
+                    blocks, hopper::block_threads, hopper::dkdv_plan<D>::bytes, stream, false, b, k_sched);
       }
     }
     if (!split)
@@ -153,21 +153,21 @@ template <class E, int D, class Sched> status launch_backward_stored(const backw
   return st;
 }
 
-// Whether the sparse backward takes dq from stored dS on the current device for this dtype and head dim: the backend
-// can store dS (stores_ds_here) and the table of the code the kernels run as takes it, so that the workspace asks for
-// slots only where they are used. False where the device cannot be asked.
-template <bool Can = stores_ds_here> bool stores_ds_for(dtype t, int64_t d) {
+// Whether the sparse backward takes dq from stored dS on the current device for this dtype and head dim, on the video's
+// schedule or the joint one: the backend can store dS (stores_ds_here) and the table of the code the kernels run as
+// takes it, so that the workspace asks for slots only where they are used. False where the device cannot be asked.
+template <bool Can = stores_ds_here> bool stores_ds_for(dtype t, int64_t d, bool joint_schedule) {
   bool takes = false;
   if constexpr (Can) {
     (void)dispatch(t, d, [&](auto cfg) {
       using C = decltype(cfg);
       bool hopper = false;
       const status st = runs_as_hopper(attention_dq_stored_kernel<typename C::element, C::head_dim>, hopper);
-      takes = st && tuning::of(hopper).dq_from_stored_ds(C::head_dim);
+      takes = st && tuning::of(hopper).stored_ds(C::head_dim, joint_schedule);
       return status::ok();
     });
   }
-  (void)t, (void)d;
+  (void)t, (void)d, (void)joint_schedule;
   return takes;
 }
 
@@ -224,8 +224,8 @@ template <class E, int D, class Sched> status launch_backward(const backward_par
   // dq from the dS that dk/dv stores, where the workspace holds slots (ds_units), the backend can store them and the
   // table takes it.
   if constexpr (!Sched::few_blocks && stores_score_frags<warp_mma<E, D>>::value) {
-    if (bp.ds_units > 0 && bp.order != nullptr && tuning::of(hopper).dq_from_stored_ds(D))
-      return launch_backward_stored<E, D, Sched>(b, q_sched, k_sched, batch, hopper, split && !Sched::joint, stream);
+    if (bp.ds_units > 0 && bp.order != nullptr && tuning::of(hopper).stored_ds(D, Sched::joint))
+      return launch_backward_stored<E, D, Sched>(b, q_sched, k_sched, batch, hopper, split, stream);
   }
   st = prepare(dq, smem);
   if (st && !split) st = prepare(dkdv, dkdv_smem);

@@ -52,6 +52,7 @@ constexpr table cdna_table() {
   t.dkdv_copy_engine = {false, false};
   // dq recomputes dS: the MFMA backend has no stored form of a score tile yet (stores_score_frags).
   t.dq_from_stored_ds = {false, false};
+  t.joint_dq_from_stored_ds = {false, false};
   // HIP reads a kernel's second launch bound as waves an execution unit, not blocks: a probe's MinBlocks is dropped,
   // dq takes dq_blocks (backward_min_blocks).
   t.min_blocks_bound = false;

@@ -67,9 +67,12 @@ constexpr table hopper_table() {
   // (bench/NOTES.md, v8); its second stage then goes through cp.async, which measured 1.04x slower (v15).
   t.dkdv_stages = {1, 2};
   t.dkdv_copy_engine = {false, true};
-  // dq recomputes dS: its mma.sync product from stored dS measured slower than Hopper's recomputing dq on wgmma, 6.94
-  // against 6.75 ms at D = 128 (hopper/dkdv.hpp storing) and 4.73 against 4.06 at D = 64 (bench/NOTES.md, v22).
-  t.dq_from_stored_ds = {false, false};
+  // dq from stored dS at D = 128, its one product a pair on wgmma (bench/NOTES.md, v35; H100, wan2.1): the Hopper
+  // dk/dv's stores cost 0.44 ms (3.69 -> 4.13), dq 2.35 -> 1.64 ms, the sparse backward 2.2-3.4% faster; more where
+  // HBM is faster (the slots' 3.9 GB each way). D = 64 recomputes: the slots are as large against half the products
+  // (the backward 8% slower storing), and so does the joint schedule (extra tokens 2.6%, packed batches 3-5% slower).
+  t.dq_from_stored_ds = {false, true};
+  t.joint_dq_from_stored_ds = {false, false};
 
   // ---- linear attention ----
   // state_kernel keeps three stages (96 KiB of tiles at D = 128, still two blocks an SM): the next two tiles stream

@@ -47,6 +47,7 @@ constexpr table nvidia_mma_table() {
   t.dkdv_copy_engine = {false, false};
   // dq from the dS that dk/dv stores: five products a pair instead of seven (bench/NOTES.md, v22).
   t.dq_from_stored_ds = {true, true};
+  t.joint_dq_from_stored_ds = {true, true};
   // The backward's portable kernels take their MinBlocks template argument (a probe's; 0 by default, no bound) as
   // their second launch bound. With none, ptxas picks their registers itself (Hopper, D = 64: 128 for dq, 165 for
   // dk/dv: four and three blocks an SM); a bound of one block would let it take up to 255 (152 and 203), and caps

@@ -46,8 +46,12 @@ struct table {
   // The portable dk/dv's Q and dO through the copy engine (hopper/feeds.hpp).
   per_dim<bool> dkdv_copy_engine;
   // The sparse pass's dq from the dS that dk/dv stores (detail/attention_dq_stored.hpp), where the workspace holds
-  // the slots and the backend can store them (stores_score_frags); otherwise dq recomputes S and dP.
-  per_dim<bool> dq_from_stored_ds;
+  // the slots and the backend can store them (stores_score_frags); otherwise dq recomputes S and dP. The one-grid
+  // video pass, and the joint schedule's (extra tokens, packed batches): their slots and walks differ.
+  per_dim<bool> dq_from_stored_ds, joint_dq_from_stored_ds;
+  constexpr bool stored_ds(int d, bool joint_schedule) const {
+    return joint_schedule ? joint_dq_from_stored_ds(d) : dq_from_stored_ds(d);
+  }
   // The backward kernels' MinBlocks (a probe's) becomes their second launch bound (backward_min_blocks).
   bool min_blocks_bound;
   // Where it does not: the dq and the portable dk/dv kernels' second launch bounds, blocks a multiprocessor (0: no

@@ -90,31 +90,35 @@ template <class M, int D> __device__ __forceinline__ typename M::band_frag band_
 // arrives on a stage's empty barrier once its second product over the stage is complete (anything else it read
 // there was read before): one arrival a warpgroup would order the other threads' reads only through the products'
 // warpgroup-wide issue, which is more than a race detector (and the memory model) can see.
-template <class M, int Stages, class It, class First, class Second, class Step>
+// pack() forms a from x (M::pack, or a form of it that also zeroes rows); issued() runs after each second product
+// is issued, while it is in flight: it may read a, its operand, and must not write it.
+template <class M, int Stages, class It, class First, class Second, class Step, class Pack, class Issued>
 __device__ __forceinline__ void overlapped_steps(It& it, uint64_t* full, uint64_t* empty, typename M::score_tile& x,
                                                  typename M::prob_frag& a, typename M::out_tile& acc, First first,
-                                                 Second second, Step step) {
+                                                 Second second, Step step, Pack pack, Issued issued) {
   if (it.done()) return;
   tma::wait(&full[0], 0u);
   first(0);
   M::template wait_first<0, 64>(x);
   step(0, 0);
-  M::pack(a, x);
+  pack();
   int prev = 0, n = 1;
   for (it.next(); !it.done(); it.next(), ++n) {
     const int buf = n % Stages;
     tma::wait(&full[buf], static_cast<uint32_t>((n / Stages) & 1));
     first(buf);
     second(prev);
+    issued();
     M::template wait_first<1, 64>(x);
     step(n, buf);
     M::template wait_groups<0>(acc.x);
     tma::arrive(&empty[prev]);
     M::pin(a);
-    M::pack(a, x);
+    pack();
     prev = buf;
   }
   second(prev);
+  issued();
   M::template wait_groups<0>(acc.x);
   M::pin(a);
   tma::arrive(&empty[prev]);

@@ -136,12 +136,11 @@ __device__ __forceinline__ void produce_pairs(dkdv_pairs<Sched>& it, const backw
 // p.item0; only where the kernel runs as sm_90a code and the tiles' maps encode (backward_params::tma;
 // attention_launch.hpp). The launcher tells the compiled body from the empty one of other builds by the barriers'
 // static shared memory. StoreDs: consumer 1 also stores each pair's dS for dq (attention_dq_stored.hpp). Sched: the
-// sparse schedule, or the joint one (its extra tokens' tiles: joint_attention.hpp), which never stores dS.
+// sparse schedule, or the joint one (its extra tokens' tiles: joint_attention.hpp; a packed batch's tiles).
 template <class E, int D, class T = dkdv_tuning, bool StoreDs = false, class Sched = sparse_schedule>
 __global__ void __launch_bounds__(block_threads, 1)
     hopper_dkdv_kernel(const VSA_GRID_CONSTANT backward_params p, const VSA_GRID_CONSTANT Sched s) {
   static_assert(D == 128, "the split pays at head dim 128; D = 64 keeps the portable kernel (bench/NOTES.md, v19)");
-  static_assert(!(StoreDs && Sched::joint), "the joint pass's dq recomputes dS");
 #if VSA_WGMMA
   using M = attention_mma<E, D>;
   constexpr int stages = T::stages;
@@ -210,6 +209,10 @@ __global__ void __launch_bounds__(block_threads, 1)
     tma::clear_rows_then<D>(sdo(buf), qv, wtid, 128, tile_rows, [] { tma::named_sync(consumer0_barrier, 128); });
   };
   // Consumer 1, pair n in stage buf, x = dPᵀ: dSᵀ from consumer 0's P; Q's padding rows zeroed for dK's product.
+  // StoreDs: dSᵀ is rounded once, into dK's operand a with its padding keys zeroed (pack_rows: they reach only dK's
+  // padding rows, which are not stored), and a is stored for dq while dK's product reads it (the next step's
+  // products in flight), the slot of its pair kept in ds_slot meanwhile.
+  int64_t ds_slot = 0;
   const auto make_ds = [&](int n, int buf) {
     const int qv = info[buf].valid;
     const float* delta = info[buf].delta;
@@ -218,16 +221,7 @@ __global__ void __launch_bounds__(block_threads, 1)
 #pragma unroll
     for (int e = 0; e < M::score_elems; ++e)
       x.x[e] = live(e, qv) ? score_handoff::at(pw, e) * (x.x[e] - delta[M::elem_col(e)]) : 0.f;
-    // StoreDs: here dSᵀ is still rounded twice, for this store and by overlapped_steps' pack of dK's operand, which
-    // first waits for the product in flight (16 more conversions a step in the sm_90a SASS). One rounding would take
-    // the store out of this step to after that pack (into the next step, under its products); not done while
-    // Hopper's table has dq recompute dS (tuning/hopper.hpp), which leaves this path unused.
-    if constexpr (StoreDs) { // `it` is at pair n (overlapped_steps)
-      const int64_t slot = it.pos - p.ds_head0 * s.tiles * s.capacity;
-      typename warp_mma<E, D>::score_frag ds;
-      warp_mma<E, D>::pack_rows(ds, x, row0, kv);
-      warp_mma<E, D>::store_transposed(p.ds + slot * (tile_rows * tile_rows), ds, row0);
-    }
+    if constexpr (StoreDs) ds_slot = s.ds_slot(it.pos, b * p.q_heads + hk * p.group + it.g, p.ds_head0); // pair n
     tma::clear_rows_then<D>(sq(buf), qv, wtid, 128, tile_rows, [] { tma::named_sync(consumer1_barrier, 128); });
   };
   // The block's own tile, K for consumer 0 and V for consumer 1, is the first product's A operand (band_of).
@@ -235,11 +229,20 @@ __global__ void __launch_bounds__(block_threads, 1)
   if (wg == 0)
     overlapped_steps<M, stages>(
         it, full, empty, x, a, acc, [&](int buf) { M::nt_async(x, band, sq(buf)); },
-        [&](int buf) { M::nn_async(acc, a, sdo(buf)); }, make_p);
+        [&](int buf) { M::nn_async(acc, a, sdo(buf)); }, make_p, [&] { M::pack(a, x); }, [] {});
   else
     overlapped_steps<M, stages>(
         it, full, empty, x, a, acc, [&](int buf) { M::nt_async(x, band, sdo(buf)); },
-        [&](int buf) { M::nn_async(acc, a, sq(buf)); }, make_ds);
+        [&](int buf) { M::nn_async(acc, a, sq(buf)); }, make_ds,
+        [&] {
+          if constexpr (StoreDs)
+            M::pack_rows(a, x, row0, kv);
+          else
+            M::pack(a, x);
+        },
+        [&] {
+          if constexpr (StoreDs) M::store_transposed(p.ds + ds_slot * (tile_rows * tile_rows), a, row0);
+        });
 
   const int64_t bhk = b * p.kv_heads + hk, fold_row = bhk * s.video_tiles() + j;
   const bool video = s.video_tile(j); // the extra tokens' tiles have no folds
