@@ -250,7 +250,8 @@ template <class E, int D> struct warpgroup_mma : warp_mma<E, D> {
   }
   // nn with P given as A fragments already rounded to E (the mma.sync backend's score_frag, whose pack_rows forms
   // dSᵀ in dk/dv for both its product and its store); here rather than the inherited mma.sync nn_frags, so that
-  // the product stays on wgmma: dq's one product a pair from stored dS (attention_dq_stored.hpp), at D = 128.
+  // the product stays on wgmma: dq's one product a pair from stored dS (attention_dq_stored.hpp), where a table takes
+  // the stored dS on Hopper; Hopper's does not (tuning/hopper.hpp), and bench/NOTES.md v35 ran it.
   template <int W = tile_rows>
   __device__ __forceinline__ static void nn_frags(out_tile& o, const score_frag& a, smem_tile<D> b) {
     nn_steps<W>(o, a.x, b);

@@ -67,11 +67,12 @@ constexpr table hopper_table() {
   // (bench/NOTES.md, v8); its second stage then goes through cp.async, which measured 1.04x slower (v15).
   t.dkdv_stages = {1, 2};
   t.dkdv_copy_engine = {false, true};
-  // dq from stored dS at D = 128, its one product a pair on wgmma (bench/NOTES.md, v35; H100, wan2.1): the Hopper
-  // dk/dv's stores cost 0.44 ms (3.69 -> 4.13), dq 2.35 -> 1.64 ms, the sparse backward 2.2-3.4% faster; more where
-  // HBM is faster (the slots' 3.9 GB each way). D = 64 recomputes: the slots are as large against half the products
-  // (the backward 8% slower storing), and so does the joint schedule (extra tokens 2.6%, packed batches 3-5% slower).
-  t.dq_from_stored_ds = {false, true};
+  // dq recomputes dS. From stored dS, its one product a pair on wgmma (bench/NOTES.md, v35; H100): at D = 128 on one
+  // grid the sparse backward ran 2-3.4% faster (dk/dv's stores 3.69 -> 4.13 ms, dq 2.35 -> 1.64), for 3.9 GB more
+  // workspace at wan2.1 (the slots), which a 2-3% gain does not pay for in a default that every training step
+  // allocates; at D = 64 8% slower, on the joint schedule 2.6% (extra tokens) and 3-8.5% (packed batches) slower.
+  // To be measured on the H200, whose faster HBM moves the slots in 0.91 ms each way against the H100's 1.28.
+  t.dq_from_stored_ds = {false, false};
   t.joint_dq_from_stored_ds = {false, false};
 
   // ---- linear attention ----

@@ -90,8 +90,9 @@ template <class M, int D> __device__ __forceinline__ typename M::band_frag band_
 // arrives on a stage's empty barrier once its second product over the stage is complete (anything else it read
 // there was read before): one arrival a warpgroup would order the other threads' reads only through the products'
 // warpgroup-wide issue, which is more than a race detector (and the memory model) can see.
-// pack() forms a from x (M::pack, or a form of it that also zeroes rows); issued() runs after each second product
-// is issued, while it is in flight: it may read a, its operand, and must not write it.
+// pack() forms a from x (M::pack, or a form of it that also zeroes rows). issued() runs after each step's first
+// product is issued and before the second, which reads a: a is complete and not yet an operand of a product in flight
+// (the registers of an unfinished wgmma's A operand may not be read), so issued() may read it, under the first product.
 template <class M, int Stages, class It, class First, class Second, class Step, class Pack, class Issued>
 __device__ __forceinline__ void overlapped_steps(It& it, uint64_t* full, uint64_t* empty, typename M::score_tile& x,
                                                  typename M::prob_frag& a, typename M::out_tile& acc, First first,
@@ -107,8 +108,8 @@ __device__ __forceinline__ void overlapped_steps(It& it, uint64_t* full, uint64_
     const int buf = n % Stages;
     tma::wait(&full[buf], static_cast<uint32_t>((n / Stages) & 1));
     first(buf);
-    second(prev);
     issued();
+    second(prev);
     M::template wait_first<1, 64>(x);
     step(n, buf);
     M::template wait_groups<0>(acc.x);
@@ -117,8 +118,8 @@ __device__ __forceinline__ void overlapped_steps(It& it, uint64_t* full, uint64_
     pack();
     prev = buf;
   }
-  second(prev);
   issued();
+  second(prev);
   M::template wait_groups<0>(acc.x);
   M::pin(a);
   tma::arrive(&empty[prev]);

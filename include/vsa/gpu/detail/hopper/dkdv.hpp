@@ -210,8 +210,8 @@ __global__ void __launch_bounds__(block_threads, 1)
   };
   // Consumer 1, pair n in stage buf, x = dPᵀ: dSᵀ from consumer 0's P; Q's padding rows zeroed for dK's product.
   // StoreDs: dSᵀ is rounded once, into dK's operand a with its padding keys zeroed (pack_rows: they reach only dK's
-  // padding rows, which are not stored), and a is stored for dq while dK's product reads it (the next step's
-  // products in flight), the slot of its pair kept in ds_slot meanwhile.
+  // padding rows, which are not stored), and a is stored for dq under the next step's first product, before dK's
+  // product that reads it is issued (overlapped_steps' issued), the slot of its pair kept in ds_slot meanwhile.
   int64_t ds_slot = 0;
   const auto make_ds = [&](int n, int buf) {
     const int qv = info[buf].valid;
