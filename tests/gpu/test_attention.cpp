@@ -164,11 +164,11 @@ void check_sparse(const config& c, int64_t capacity, const char* label, bool rag
   REQUIRE(
       sparse_attention_backward(p, scale, {}, {}, {}, {}, {}, nullptr, dl.view(), {}, {}, {}, nullptr, bytes, nullptr)
           .is_ok());
-  const vsa::detail::sparse_backward_scratch least(p), full(p, capacity, bytes);
+  const vsa::detail::sparse_backward_scratch least(p), full(p, capacity, bytes, false);
   CHECK(full.bytes() == bytes);
   CHECK((full.units == p.batch * p.kv_heads) == gpu::detail::stores_ds_for(p.type, p.head_dim, false));
   const std::size_t one_head = full.units > 0 ? least.bytes() + full.map + full.slots / full.units : least.bytes();
-  CHECK(vsa::detail::sparse_backward_scratch(p, capacity, one_head).units == (full.units > 0 ? 1 : 0));
+  CHECK(vsa::detail::sparse_backward_scratch(p, capacity, one_head, false).units == (full.units > 0 ? 1 : 0));
   std::size_t dq_elems = 0;
   const std::size_t sizes[] = {bytes, bytes, one_head, least.bytes()};
   device_buffer ws(bytes);

@@ -461,7 +461,7 @@ template <bool Joint = false> status backward_planned(const problem& p, const op
     const auto qs = detail::q2k_schedule(p, idx);
     const auto ks = detail::k2q_schedule(p, idx);
     s = detail::prepare_sparse_backward(p, idx, w.at(scratch, w.sparse_scratch),
-                                        w.backward_scratch_bytes - w.sparse_scratch, bp, dp, stream);
+                                        w.backward_scratch_bytes - w.sparse_scratch, bp, dp, stream, false);
     return s ? detail::run_backward(p, dp, bp, qs, ks, stream) : s;
   }
 }

@@ -140,7 +140,7 @@ inline gpu::detail::joint_schedule packed_schedule_of(const problem& whole, bool
 
 // The backward's workspace: the tile table, the k2q lists and offsets and build_k2q's scratch (video_backward_workspace
 // of the batch's problem), then the one-grid backward's scratch: the least, or with `preferred` what the size query
-// asks (dq's stored dS where the device takes it).
+// asks (dq's stored dS where the device takes it on the joint schedule, which the batch runs on).
 // Its fixed part, ahead of the one-grid backward's scratch: the table, the k2q lists and offsets, build_k2q's scratch.
 inline std::size_t packed_backward_fixed_bytes(const problem& whole, int64_t capacity) {
   const video_backward_workspace w(whole, capacity);
@@ -192,9 +192,10 @@ template <class = void> status packed_sparse_attention_forward(const packed_prob
 }
 
 // Workspace of packed_sparse_attention_backward: the tile table, the k2q lists of the caller's q2k lists (built here)
-// and build_k2q's scratch, then as sparse_attention_backward_workspace(p, capacity) for the batch as one grid of N
-// tiles (where the device takes dq from stored dS, 8 KB a pair of every head where they fit in 8 GiB); the call takes
-// any size from packed_sparse_attention_backward_least_workspace up (dq then recomputes dS). 0 for a rejected problem.
+// and build_k2q's scratch, then the one-grid backward's scratch for the batch as one grid of N tiles, with dq's stored
+// dS where the device takes it on the joint schedule (8 KB a pair of every head where they fit in 8 GiB); the call
+// takes any size from packed_sparse_attention_backward_least_workspace up (dq then recomputes dS). 0 for a rejected
+// problem.
 inline std::size_t packed_sparse_attention_backward_workspace(const packed_problem& pp, int64_t q2k_capacity) {
   problem whole;
   if (!check_packed_problem(pp, target::gpu, whole) || !check_q2k_capacity(whole, q2k_capacity)) return 0;

@@ -124,7 +124,8 @@ inline status plan_packed_op(const packed_problem& pp, const options& opt, packe
     w.b_scores = take(scores_bytes);
     w.coarse_delta = take(bh * n * sizeof(float));
   }
-  w.sparse_scratch = take(sparse_backward_preferred_bytes(p, w.capacity, true)); // the joint schedule's
+  // The batch runs on the joint schedule, whose table entry decides its slots (not the one grid's it is stated as).
+  w.sparse_scratch = take(sparse_backward_preferred_bytes(p, w.capacity, true));
   w.backward_scratch_bytes = off;
   return status::ok();
 }

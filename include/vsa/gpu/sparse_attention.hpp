@@ -36,7 +36,7 @@ inline std::size_t sparse_attention_backward_workspace(const problem& p) {
 // that fits in 8 GiB, else for as many kv heads as fit, which the backward then runs a group at a time. Any size
 // from the least up works: a larger workspace holds more heads at a time, up to all of them.
 inline std::size_t sparse_attention_backward_workspace(const problem& p, int64_t q2k_capacity) {
-  return detail::sparse_backward_preferred_bytes(p, q2k_capacity);
+  return detail::sparse_backward_preferred_bytes(p, q2k_capacity, false);
 }
 
 // dq, dk, dv of the sparse attention, given dO and the forward's o_s and lse. dq walks the q2k lists, dk
@@ -63,7 +63,7 @@ inline status sparse_attention_backward(const problem& p, float scale, const_ten
   if (s) s = detail::check_lists(p, idx, true);
   if (s) s = check_workspace(workspace, workspace_bytes, need);
   if (s) {
-    const std::size_t used = detail::sparse_backward_scratch(p, idx.q2k_capacity, workspace_bytes).bytes();
+    const std::size_t used = detail::sparse_backward_scratch(p, idx.q2k_capacity, workspace_bytes, false).bytes();
     s = check_sparse_backward_disjoint(p, q, k, v, o_s, d_o, lse, idx, true, dq, dk, dv, workspace, used);
   }
   if (!s) return s;
@@ -73,7 +73,7 @@ inline status sparse_attention_backward(const problem& p, float scale, const_ten
   gpu::detail::backward_params bp = detail::sparse_backward_params(p, scale, q, k, v, d_o, dq, dk, dv, lse);
   gpu::detail::delta_params dp =
       detail::delta_base(p, gpu::detail::make_operand(o_s), gpu::detail::make_operand(d_o), qs);
-  s = detail::prepare_sparse_backward(p, idx, workspace, workspace_bytes, bp, dp, stream);
+  s = detail::prepare_sparse_backward(p, idx, workspace, workspace_bytes, bp, dp, stream, false);
   if (!s) return s;
   return detail::run_backward(p, dp, bp, qs, ks, stream);
 }

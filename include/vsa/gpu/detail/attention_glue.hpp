@@ -155,8 +155,10 @@ struct sparse_backward_scratch {
         order(align_up(sizeof(int32_t) * p.batch * p.kv_heads * tiles_)), tiles(tiles_) {}
   explicit sparse_backward_scratch(const problem& p)
       : sparse_backward_scratch(p, tile_geometry(p.grid).num_tiles() * 64, tile_geometry(p.grid).num_tiles()) {}
-  // joint_schedule: the pass runs on the joint schedule (a packed batch stated as one grid).
-  sparse_backward_scratch(const problem& p, int64_t capacity, std::size_t available, bool joint_schedule = false)
+  // joint_schedule: the pass runs on the joint schedule (a packed batch stated as one grid), whose own table entry
+  // (joint_dq_from_stored_ds) says whether dq takes stored dS; given, never defaulted, so that a size query and the
+  // launcher of one pass cannot disagree about the slots.
+  sparse_backward_scratch(const problem& p, int64_t capacity, std::size_t available, bool joint_schedule)
       : sparse_backward_scratch(p) {
     const int64_t n = tile_geometry(p.grid).num_tiles();
     if (capacity >= 1 && capacity <= n) add_slots(p, n * capacity, n * capacity, available, joint_schedule);
@@ -178,7 +180,7 @@ protected:
   }
 };
 // The size query's answer: the slots of every kv head where they fit in stored_ds_budget, else as many as fit.
-inline std::size_t sparse_backward_preferred_bytes(const problem& p, int64_t capacity, bool joint_schedule = false) {
+inline std::size_t sparse_backward_preferred_bytes(const problem& p, int64_t capacity, bool joint_schedule) {
   const sparse_backward_scratch minimum(p);
   return sparse_backward_scratch(p, capacity, minimum.bytes() + stored_ds_budget, joint_schedule).bytes();
 }
@@ -227,8 +229,7 @@ inline status carve_backward_scratch(const problem& p, const sparse_backward_scr
 // The video pass's (or a packed batch's: joint_schedule): its scratch of scratch_bytes.
 inline status prepare_sparse_backward(const problem& p, const const_index_lists& idx, void* scratch,
                                       std::size_t scratch_bytes, gpu::detail::backward_params& bp,
-                                      gpu::detail::delta_params& dp, gpu::stream_t stream,
-                                      bool joint_schedule = false) {
+                                      gpu::detail::delta_params& dp, gpu::stream_t stream, bool joint_schedule) {
   return carve_backward_scratch(p, sparse_backward_scratch(p, idx.q2k_capacity, scratch_bytes, joint_schedule),
                                 idx.k2q_offset, scratch, bp, dp, stream);
 }
