@@ -1,4 +1,4 @@
-"""vsa_torch.sequence_parallel against the single-process op: on the CPU kernels over gloo with 2 and 4 processes,
+"""vsa_torch.sequence_parallel against the single-process op: on the CPU kernels over gloo with 1, 2 and 4 processes,
 and on GPUs over NCCL (one GPU with world size 1, two GPUs; skipped without them). Each rank builds the same whole
 inputs from a seed, runs the wrapper on its frames and the plain op on everything, and compares its frames of o and
 of every gradient. One spawn per world size runs all its cases (starting processes that import torch is the slow
@@ -35,6 +35,10 @@ class Case:
 
 
 CPU_CASES = {
+    1: {  # a group of one rank: the wrapper is the op itself, the exchanges return their tensors
+        "one-rank-gqa-partial-tiles-b2": Case((7, 6, 5), 2, 4, 2, 8),
+        "one-rank-bhsd-float32-no-gate": Case((5, 4, 6), 1, 2, 2, 16, "float32", False, layout="bhsd"),
+    },
     2: {
         "whole-tiles": Case((8, 5, 6), 1, 4, 4, 8),
         "gqa-partial-last-tile-b2": Case((7, 6, 5), 2, 4, 2, 8),  # frames 4 + 3: the last time tile is 3 deep
@@ -139,16 +143,20 @@ def check_rejections(group):
     case = Case((4, 4, 4), 1, 2 * world, 2 * world, 8)
     q, k, v, g, _ = whole_inputs(case, "cpu", 0)
     mine = [sp.shard(x, case.grid, group=group) for x in (q, k, v, g)]
+    longer = [torch.cat([x, x[:, :1]], 1) for x in mine]  # a token more than this rank's frames hold
+    more_heads = [torch.cat([x, x[:, :, :1]], 2) for x in mine[1:3]]
     wrong = {
-        "not divisible by the world size": lambda: sp.video_sparse_attention(
-            torch.cat([mine[0], mine[0][:, :, :1]], 2), *mine[1:3], case.grid, group=group),
-        "its frames hold": lambda: sp.video_sparse_attention(q, k, v, case.grid, gate=g, group=group),
-        "frames:": lambda: sp.video_sparse_attention(*mine[:3], case.grid, frames=(4,) * world, group=group),
+        "its frames hold": lambda: sp.video_sparse_attention(*longer[:3], case.grid, gate=longer[3], group=group),
+        "frames:": lambda: sp.video_sparse_attention(*mine[:3], case.grid, frames=(5,) + (0,) * (world - 1),
+                                                     group=group),  # 5 frames of a grid of 4
         "does not match q's": lambda: sp.video_sparse_attention(mine[0], mine[1].float(), mine[2], case.grid,
                                                                 group=group),
-        "dividing q's": lambda: sp.video_sparse_attention(mine[0], mine[1][:, :, :3], mine[2][:, :, :3], case.grid,
-                                                          group=group),  # 3 kv heads for 2·world q heads
+        "dividing q's": lambda: sp.video_sparse_attention(mine[0], *more_heads, case.grid,
+                                                          group=group),  # 2·world + 1 kv heads for 2·world q heads
     }
+    if world > 1:  # every head count divides a world of one
+        wrong["not divisible by the world size"] = lambda: sp.video_sparse_attention(
+            torch.cat([mine[0], mine[0][:, :, :1]], 2), *mine[1:3], case.grid, group=group)
     for fragment, call in wrong.items():
         with pytest.raises(ValueError, match=fragment):
             call()

@@ -26,8 +26,10 @@ groups. Otherwise (e.g. one kv head on 2 ranks) each kv head is repeated r = P /
 all-to-all, so that every rank gets the kv heads its q heads read (groups of Hq / (Hkv·r)): r times the k and v
 traffic, and their gradients summed back through the repeat.
 
-Every rank of the group must pass the same grid, frames and head counts, and tensors of the same dtype. With one
-rank the exchanges still run (as copies); call vsa_torch.video_sparse_attention directly instead."""
+Every rank of the group must pass the same grid, frames and head counts, and tensors of the same dtype. A group of
+one rank has nothing to exchange: the exchanges return their tensors as they are and the wrapper is the op itself
+on the caller's tensors, so that a model written for sequence parallelism pays nothing for it on one GPU (run
+through the exchanges as copies, the wrapper took 0.88-0.92x the op's layer time there: bench/NOTES-pytorch.md)."""
 import math
 
 import torch
@@ -176,6 +178,8 @@ def sequence_to_heads(tensors, grid, *, group=None, frames=None, layout="bshd"):
     tokens, rank = _layout_of(grid, frames, group)
     xs = [to_bshd(x, layout) for x in tensors]
     _check(xs[0], xs, [f"tensors[{i}]" for i in range(len(xs))], dist.get_world_size(group), tokens, rank)
+    if len(tokens) == 1:  # one rank holds the whole sequence of every head already
+        return list(tensors)
     return [from_bshd(y, layout) for y in _ToHeads.apply(tokens, rank, group, *xs)]
 
 
@@ -187,6 +191,8 @@ def heads_to_sequence(tensors, grid, *, group=None, frames=None, layout="bshd"):
     for i, y in enumerate(ys):
         if y.shape[1] != sum(tokens):
             raise ValueError(f"vsa.sequence_parallel: tensors[{i}]: {y.shape[1]} tokens, the grid has {sum(tokens)}")
+    if len(tokens) == 1:
+        return list(tensors)
     return [from_bshd(x, layout) for x in _ToSequence.apply(tokens, rank, group, [heads_major(y) for y in ys], *ys)]
 
 
@@ -209,6 +215,9 @@ def video_sparse_attention(q, k, v, grid, *, gate=None, group=None, frames=None,
                          f"the same number of heads, dividing q's {hq}")
     # k and v as the caller passed them; their heads need not divide the world size: hkv · repeat = lcm(hkv, P) does.
     _check(xs[0], xs[1:3], ["k", "v"], world, tokens, rank, heads=False)
+    if world == 1:  # nothing to exchange: the op on the caller's tensors, as on one GPU without the wrapper
+        return _video_sparse_attention(q, k, v, grid, gate=gate, top_k=top_k, sparsity=sparsity, scale=scale,
+                                       layout=layout, keep_tiled=keep_tiled)
     repeat = world // math.gcd(hkv, world)
     if repeat > 1:  # kv heads not divisible by the world size: see the module's docstring
         xs[1], xs[2] = xs[1].repeat_interleave(repeat, dim=2), xs[2].repeat_interleave(repeat, dim=2)
