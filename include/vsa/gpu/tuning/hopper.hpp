@@ -71,7 +71,9 @@ constexpr table hopper_table() {
   // grid the sparse backward ran 2-3.4% faster (dk/dv's stores 3.69 -> 4.13 ms, dq 2.35 -> 1.64), for 3.9 GB more
   // workspace at wan2.1 (the slots), which a 2-3% gain does not pay for in a default that every training step
   // allocates; at D = 64 8% slower, on the joint schedule 2.6% (extra tokens) and 3-8.5% (packed batches) slower.
-  // To be measured on the H200, whose faster HBM moves the slots in 0.91 ms each way against the H100's 1.28.
+  // With dq's slots through the copy engine (v36, bench/tried/hopper-dq-stored-engine.patch) still 2-6% of the sparse
+  // backward, 1.5% of the op's. To be measured on the H200, whose faster HBM moves the slots in 0.91 ms each way
+  // against the H100's 1.28.
   t.dq_from_stored_ds = {false, false};
   t.joint_dq_from_stored_ds = {false, false};
 
