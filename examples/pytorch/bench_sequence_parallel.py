@@ -15,7 +15,8 @@ them). Times are medians over --reps of CUDA events, the slowest rank's. Per lay
 - op_on_head_shard_ms: the plain op on the whole sequence of one rank's heads, what each GPU computes;
 - exchange_ms: the wrapper's four exchanges alone (q, k, v and gate in, o out, dO in, their gradients out) with their
   packing copies, as the wrapper runs them; collectives_ms: the four all-to-all calls alone on ready buffers;
-- exchange_share: exchange_ms / layer_ms (exchange_share_of_attention: over attention_ms);
+- exchange_share: exchange_ms / layer_ms (exchange_share_of_attention: over attention_ms); all four 0 on one GPU,
+  where the wrapper exchanges nothing;
 - layer_speedup, attention_speedup: one GPU's time over N GPUs'.
 
 The 4× clip has 4× the video frames: 1 + 4·(T − 1) latent frames (Wan's VAE keeps the first frame and packs 4 a
@@ -133,6 +134,9 @@ def bench_layer(name, clip, args, world, rank):
         (out,) = sp.heads_to_sequence(o_heads, grid)  # o out
         torch.autograd.backward(parts + [out], d_parts + [d_out])  # dO in, dq, dk, dv, dgate out
 
+    if world == 1:  # the wrapper exchanges nothing in a group of one (it calls the op): no exchange to time
+        r["exchange_ms"] = r["collectives_ms"] = r["exchange_share"] = r["exchange_share_of_attention"] = 0.0
+        return r
     r["exchange_ms"] = timed(exchanges)
     tokens = [f * h * w for f in frames]
     bufs = {n: (rand(s, 1, n, hd), rand(world * s_r, 1, n, hd)) for n in (4 * hp, hp)}

@@ -124,11 +124,13 @@ def check_exchanges(group):
     for layout in ("bshd", "bhsd"):
         whole = whole_inputs(Case(grid, 2, 2 * world, world, 8, layout=layout), "cpu", 1)[:2]
         mine = [sp.shard(x, grid, group=group, layout=layout).clone().requires_grad_(True) for x in whole]
-        gathered = sp.sequence_to_heads(mine, grid, group=group, layout=layout)
+        gathered = sp.sequence_to_heads(iter(mine), grid, group=group, layout=layout)  # any iterable
+        assert len(gathered) == len(whole), f"{layout}: {len(gathered)} tensors back for {len(whole)}"
         head_dim = 1 if layout == "bhsd" else 2
         for x, y in zip(whole, gathered):
             assert torch.equal(y, x.chunk(world, head_dim)[rank]), f"{layout}: not this rank's heads"
-        back = sp.heads_to_sequence(gathered, grid, group=group, layout=layout)
+        back = sp.heads_to_sequence(iter(gathered), grid, group=group, layout=layout)
+        assert len(back) == len(mine), f"{layout}: {len(back)} tensors back for {len(mine)}"
         for x, y in zip(mine, back):
             assert torch.equal(y, x), f"{layout}: the round trip changed the shard"
         weights = [torch.randn_like(x) for x in mine]

@@ -27,8 +27,8 @@ all-to-all, so that every rank gets the kv heads its q heads read (groups of Hq 
 traffic, and their gradients summed back through the repeat.
 
 Every rank of the group must pass the same grid, frames and head counts, and tensors of the same dtype. A group of
-one rank has nothing to exchange: the exchanges return their tensors as they are and the wrapper is the op itself
-on the caller's tensors, so that a model written for sequence parallelism pays nothing for it on one GPU (run
+one rank has nothing to exchange: the exchanges return the tensors they were given (not new ones: an in-place change
+of one changes the caller's) and the wrapper is the op itself on the caller's tensors, so that a model written for sequence parallelism pays nothing for it on one GPU (run
 through the exchanges as copies, the wrapper took 0.88-0.92x the op's layer time there: bench/NOTES-pytorch.md)."""
 import math
 
@@ -176,10 +176,11 @@ def sequence_to_heads(tensors, grid, *, group=None, frames=None, layout="bshd"):
     """The first all-to-all, differentiable: each of `tensors` this rank's frames with every head ([B, f_r·H·W,
     heads, D]) -> the whole sequence of this rank's heads ([B, T·H·W, heads/P, D]), one collective for all."""
     tokens, rank = _layout_of(grid, frames, group)
+    tensors = list(tensors)  # read twice below (a generator would be spent by the first)
     xs = [to_bshd(x, layout) for x in tensors]
     _check(xs[0], xs, [f"tensors[{i}]" for i in range(len(xs))], dist.get_world_size(group), tokens, rank)
-    if len(tokens) == 1:  # one rank holds the whole sequence of every head already
-        return list(tensors)
+    if len(tokens) == 1:  # one rank holds the whole sequence of every head already: the tensors themselves
+        return tensors
     return [from_bshd(y, layout) for y in _ToHeads.apply(tokens, rank, group, *xs)]
 
 
@@ -187,12 +188,13 @@ def heads_to_sequence(tensors, grid, *, group=None, frames=None, layout="bshd"):
     """The second all-to-all, differentiable, sequence_to_heads' inverse: the whole sequence of this rank's heads
     -> this rank's frames with every head, in the layout of the tensors given."""
     tokens, rank = _layout_of(grid, frames, group)
+    tensors = list(tensors)
     ys = [to_bshd(y, layout) for y in tensors]
     for i, y in enumerate(ys):
         if y.shape[1] != sum(tokens):
             raise ValueError(f"vsa.sequence_parallel: tensors[{i}]: {y.shape[1]} tokens, the grid has {sum(tokens)}")
     if len(tokens) == 1:
-        return list(tensors)
+        return tensors
     return [from_bshd(x, layout) for x in _ToSequence.apply(tokens, rank, group, [heads_major(y) for y in ys], *ys)]
 
 
