@@ -13,8 +13,8 @@
 //    bit for bit, and the copy announces exactly the bytes it writes (a wrong count hangs or fails the barrier).
 // 2. stream: the forward's K/V stream on wan2.1-1.3b-480p's uniform lists (bench/probes/kv_stream.cu's block), the
 //    tiles whole from the tiled tensors against the valid tokens from the raster ones (three map layouts), and two
-//    controls: the tiled tensors through a 5-d box of the same rows (the box's shape alone), and the raster ones through
-//    a 2-d box a (t, h) run of a tile (more, smaller copies). bench/NOTES.md v37 has the figures.
+//    controls: the tiled tensors through a 5-d box of the same rows (the box's shape alone), and the raster ones
+//    through a 2-d box a (t, h) run of a tile (more, smaller copies). bench/NOTES.md v37 has the figures.
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90a --expt-relaxed-constexpr -I include -o raster_boxes bench/probes/raster_boxes.cu
 //   ./raster_boxes
@@ -220,8 +220,10 @@ template <int D> int check(grid3 g, int mode) {
   std::vector<uint16_t> x(elems);
   std::mt19937 rng(11);
   for (auto& e : x) e = static_cast<uint16_t>(rng());
-  raster_tensor rt{nullptr, B,           H, D, H * S * D, heads_major ? D : H * D, heads_major ? S * D : D, heads_major,
-                   mode == 1};
+  raster_tensor rt{};
+  rt.batch = B, rt.heads = H, rt.head_dim = D, rt.batch_stride = H * S * D;
+  rt.token_stride = heads_major ? D : H * D, rt.head_stride = heads_major ? S * D : D;
+  rt.heads_major = heads_major, rt.heads_outer = mode == 1;
   uint16_t *dx, *dout;
   CHECK(cudaMalloc(&dx, elems * 2));
   CHECK(cudaMalloc(&dout, B * H * N * 64 * D * 2));
@@ -253,8 +255,10 @@ template <int D> int check(grid3 g, int mode) {
   std::printf("check grid %lldx%lldx%lld %s D=%d: %d kinds, %lld tiles x %lld heads x %lld samples, %lld valid rows: "
               "%lld elements differ\n",
               (long long)g.t, (long long)g.h, (long long)g.w,
-              mode == 2 ? "[B,H,S,D]" : mode == 1 ? "[B,S,H,D] head outer" : "[B,S,H,D]", D, kinds,
-              (long long)N, (long long)H, (long long)B, (long long)rows, (long long)bad);
+              mode == 2   ? "[B,H,S,D]"
+              : mode == 1 ? "[B,S,H,D] head outer"
+                          : "[B,S,H,D]",
+              D, kinds, (long long)N, (long long)H, (long long)B, (long long)rows, (long long)bad);
   CHECK(cudaFree(dx));
   CHECK(cudaFree(dout));
   return bad == 0 ? 0 : 1;
@@ -344,15 +348,14 @@ template <int Mode> int stream(const tma_map& km, const tma_map& vm, const kind_
               : Mode == 1 ? "raster [B,S,H,D], head outermost"
               : Mode == 0 ? "raster [B,S,H,D], head second   "
                           : "tiled, whole tiles              ",
-              t, moved / 1e9,
-              moved / t / 1e9, whole / t / 1e9);
+              t, moved / 1e9, moved / t / 1e9, whole / t / 1e9);
   return 0;
 }
 
 int main() {
   int rc = 0;
   for (int mode : {0, 1, 2}) {
-    rc |= check<128>({7, 6, 5}, mode);   // every kind: t 4 + 3, h 4 + 2, w 4 + 1
+    rc |= check<128>({7, 6, 5}, mode); // every kind: t 4 + 3, h 4 + 2, w 4 + 1
     rc |= check<64>({7, 6, 5}, mode);
     rc |= check<128>({21, 30, 52}, mode); // wan2.1's grid: 4 kinds
     rc |= check<64>({9, 4, 10}, mode);
@@ -400,7 +403,8 @@ int main() {
     raster_tensor vrt = krt;
     vrt.data = vr;
     for (int kind = 0; kind < 8; ++kind)
-      encode_kind_map(kk[mode].map[kind], krt, geo.grid, kind), encode_kind_map(vk[mode].map[kind], vrt, geo.grid, kind);
+      encode_kind_map(kk[mode].map[kind], krt, geo.grid, kind),
+          encode_kind_map(vk[mode].map[kind], vrt, geo.grid, kind);
   }
   kind_maps k5{}, v5{}, kr2{}, vr2{};
   encode_tiled_as_5d(k5.map[0], k, tiled, SH, SD), encode_tiled_as_5d(v5.map[0], v, tiled, SH, SD);
