@@ -10,6 +10,7 @@
 #include <vsa/gpu/arch/matrix.hpp>
 
 #include "probe_check.hpp"
+#include "probe_stream.hpp"
 
 #include <cuda_runtime.h>
 
@@ -28,42 +29,11 @@ constexpr int N = 624, H = 12, D = 128, K = 63;
 template <int Streams, int Tiles> __global__ void __launch_bounds__(32 * (Streams + 1), 1)
     stream_kernel(const __grid_constant__ tma_map kmap, const __grid_constant__ tma_map vmap, const int32_t* lists,
                   unsigned* sink) {
-#if VSA_WGMMA // the copy engine's device side exists in sm_90a code only
-  namespace tma = vsa::gpu::tma;
-  extern __shared__ uint4 raw[];
-  uint16_t* sm = vsa::gpu::aligned_smem(raw);
-  __shared__ __align__(8) uint64_t full[Streams][Tiles], empty[Streams][Tiles];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (threadIdx.x == 0)
-    for (int c = 0; c < Streams; ++c)
-      for (int t = 0; t < Tiles; ++t) tma::barrier_init(&full[c][t], 1), tma::barrier_init(&empty[c][t], 1);
-  __syncthreads();
-  const int h = blockIdx.y;
-  if (warp == Streams) { // producer: one lane feeds every stream in turn
-    if (lane != 0) return;
-    int stage[Streams] = {}, round[Streams] = {};
-    for (int e = 0; e < 2 * K; ++e)
-      for (int c = 0; c < Streams; ++c) {
-        const int i = blockIdx.x * Streams + c;
-        const int j = lists[(h * N + i) * K + e / 2];
-        const int st = stage[c];
-        tma::wait(&empty[c][st], (round[c] & 1) ^ 1u);
-        tma::load_tile<D>(smem_tile<D>{sm + (c * Tiles + st) * 64 * D}, e % 2 ? &vmap : &kmap, &full[c][st], j * 64, h,
-                          0);
-        if (++stage[c] == Tiles) stage[c] = 0, ++round[c];
-      }
-    return;
-  }
-  const int c = warp;
-  unsigned acc = 0;
-  for (int e = 0, st = 0, round = 0; e < 2 * K; ++e) {
-    tma::wait(&full[c][st], round & 1);
-    acc += sm[(c * Tiles + st) * 64 * D + lane];
-    __syncwarp();
-    if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(tma::smem_address(&empty[c][st])));
-    if (++st == Tiles) st = 0, ++round;
-  }
-  if (acc == 0xdeadbeef) sink[0] = acc;
+#if VSA_WGMMA
+  probe::stream_block<Streams, Tiles, D, N, K>(
+      lists, sink, [&](smem_tile<D> t, int value, int j, int h, uint64_t* bar) {
+        vsa::gpu::tma::load_tile<D>(t, value ? &vmap : &kmap, bar, j * 64, h, 0);
+      });
 #else
   (void)kmap, (void)vmap, (void)lists, (void)sink;
 #endif

@@ -21,6 +21,7 @@
 #include "vsa/vsa.hpp"
 
 #include "probe_check.hpp"
+#include "probe_stream.hpp"
 
 #include <algorithm>
 #include <cstdint>
@@ -267,52 +268,21 @@ template <int D> int check(grid3 g, int mode) {
 // 2. The K/V stream of kv_stream.cu: two query tiles a block, a producer lane feeding both rings of four tiles, every
 // list entry's K and V; Raster: through the kind maps from raster tensors (the valid tokens), else whole tiles.
 constexpr int SN = 624, SH = 12, SD = 128, SK = 63, Streams = 2, Tiles = 4;
-// Mode: −1 whole tiles from the tiled tensors, else load_raster_tile's.
+// Mode: −1 whole tiles from the tiled tensors, else load_raster_tile's (0-2) or load_control's (3, 4).
 template <int Mode> __global__ void __launch_bounds__(32 * (Streams + 1), 1)
     stream_kernel(const __grid_constant__ tma_map kmap, const __grid_constant__ tma_map vmap,
                   const __grid_constant__ kind_maps kmaps, const __grid_constant__ kind_maps vmaps, tile_geometry geo,
                   const int32_t* lists, unsigned* sink) {
 #if VSA_WGMMA
-  namespace tma = vsa::gpu::tma;
-  extern __shared__ uint4 raw[];
-  uint16_t* sm = vsa::gpu::aligned_smem(raw);
-  __shared__ __align__(8) uint64_t full[Streams][Tiles], empty[Streams][Tiles];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (threadIdx.x == 0)
-    for (int c = 0; c < Streams; ++c)
-      for (int t = 0; t < Tiles; ++t) tma::barrier_init(&full[c][t], 1), tma::barrier_init(&empty[c][t], 1);
-  __syncthreads();
-  const int h = blockIdx.y;
-  if (warp == Streams) {
-    if (lane != 0) return;
-    int stage[Streams] = {}, round[Streams] = {};
-    for (int e = 0; e < 2 * SK; ++e)
-      for (int c = 0; c < Streams; ++c) {
-        const int i = blockIdx.x * Streams + c;
-        const int j = lists[(h * SN + i) * SK + e / 2];
-        const int st = stage[c];
-        tma::wait(&empty[c][st], (round[c] & 1) ^ 1u);
-        const smem_tile<SD> t{sm + (c * Tiles + st) * 64 * SD};
+  probe::stream_block<Streams, Tiles, SD, SN, SK>(
+      lists, sink, [&](smem_tile<SD> t, int value, int j, int h, uint64_t* bar) {
         if constexpr (Mode >= 3)
-          load_control<SD>(t, e % 2 ? vmaps : kmaps, &full[c][st], geo, Mode, j, h);
+          load_control<SD>(t, value ? vmaps : kmaps, bar, geo, Mode, j, h);
         else if constexpr (Mode >= 0)
-          load_raster_tile<SD>(t, e % 2 ? vmaps : kmaps, &full[c][st], geo, Mode, SH, j, h, 0);
+          load_raster_tile<SD>(t, value ? vmaps : kmaps, bar, geo, Mode, SH, j, h, 0);
         else
-          tma::load_tile<SD>(t, e % 2 ? &vmap : &kmap, &full[c][st], j * 64, h, 0);
-        if (++stage[c] == Tiles) stage[c] = 0, ++round[c];
-      }
-    return;
-  }
-  const int c = warp;
-  unsigned acc = 0;
-  for (int e = 0, st = 0, round = 0; e < 2 * SK; ++e) {
-    tma::wait(&full[c][st], round & 1);
-    acc += sm[(c * Tiles + st) * 64 * SD + lane];
-    __syncwarp();
-    if (lane == 0) tma::arrive(&empty[c][st]);
-    if (++st == Tiles) st = 0, ++round;
-  }
-  if (acc == 0xdeadbeef) sink[0] = acc;
+          vsa::gpu::tma::load_tile<SD>(t, value ? &vmap : &kmap, bar, j * 64, h, 0);
+      });
 #else
   (void)kmap, (void)vmap, (void)kmaps, (void)vmaps, (void)geo, (void)lists, (void)sink;
 #endif
