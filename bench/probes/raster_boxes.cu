@@ -21,6 +21,7 @@
 #include "vsa/vsa.hpp"
 
 #include "probe_check.hpp"
+#include "probe_inputs.hpp"
 #include "probe_stream.hpp"
 
 #include <algorithm>
@@ -294,22 +295,10 @@ template <int Mode> int stream(const tma_map& km, const tma_map& vm, const kind_
   const auto kernel = stream_kernel<Mode>;
   const int smem = Streams * Tiles * 64 * SD * 2 + 1024;
   CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  cudaEvent_t a, b;
-  CHECK(cudaEventCreate(&a));
-  CHECK(cudaEventCreate(&b));
-  std::vector<float> ms;
-  for (int r = 0; r < 25; ++r) {
-    CHECK(cudaEventRecord(a));
-    kernel<<<dim3(SN / Streams, SH), 32 * (Streams + 1), smem>>>(km, vm, kk, vk, geo, lists, sink);
-    CHECK(cudaEventRecord(b));
-    CHECK(cudaEventSynchronize(b));
-    float t = 0;
-    CHECK(cudaEventElapsedTime(&t, a, b));
-    if (r >= 5) ms.push_back(t);
-  }
+  const double t = probe::median_ms(
+      [&] { kernel<<<dim3(SN / Streams, SH), 32 * (Streams + 1), smem>>>(km, vm, kk, vk, geo, lists, sink); });
   CHECK(cudaGetLastError());
-  std::sort(ms.begin(), ms.end());
-  const double t = ms[ms.size() / 2], whole = double(SN) * SH * SK * 2 * 64 * SD * 2;
+  const double whole = double(SN) * SH * SK * 2 * 64 * SD * 2;
   const double moved = Raster ? whole * valid_share : whole;
   std::printf("stream %s: %.3f ms (median of 20), %.2f GB moved, %.2f TB/s; %.2f TB/s of whole tiles' worth\n",
               Mode == 4   ? "raster [B,S,H,D], a 2-d box a run"
