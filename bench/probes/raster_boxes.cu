@@ -110,6 +110,16 @@ bool encode_tiled_as_5d(tma_map& map, const void* data, int64_t tokens, int64_t 
                 dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
+// The tiled tensor [1, N·64, H, D] with boxes of `rows` tokens (64 columns × rows × 1 × 1): a step's rows only.
+bool encode_tiled_rows(tma_map& map, const void* data, int64_t tokens, int64_t heads, int64_t d, int rows) {
+  const auto encode = vsa::gpu::detail::tma_encoder();
+  const cuuint64_t dims[4] = {cuuint64_t(d), cuuint64_t(tokens), cuuint64_t(heads), 1};
+  const cuuint64_t strides[3] = {cuuint64_t(heads * d * 2), cuuint64_t(d * 2), cuuint64_t(tokens * heads * d * 2)};
+  const cuuint32_t box[4] = {64, cuuint32_t(rows), 1, 1}, unit[4] = {1, 1, 1, 1};
+  return encode(reinterpret_cast<CUtensorMap*>(map.bytes), CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, const_cast<void*>(data),
+                dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
 bool encode_runs(tma_map& map, const void* data, int64_t tokens, int64_t heads, int64_t d, int run) {
   const auto encode = vsa::gpu::detail::tma_encoder();
   const cuuint64_t dims[3] = {cuuint64_t(d), cuuint64_t(tokens), cuuint64_t(heads)};
@@ -168,6 +178,18 @@ template <int D> __device__ __forceinline__ void load_control(smem_tile<D> t, co
                                                               const tile_geometry& geo, int mode, int64_t n,
                                                               int64_t h) {
   namespace tma = vsa::gpu::tma;
+  if (mode == 5) { // map 0, 1, 2: boxes of 16, 32, 64 rows; the tile's step_rows(valid)
+    const int rows = vsa::gpu::detail::step_rows(geo.valid(n));
+    tma::arrive_expect(bar, static_cast<uint32_t>(rows * D * 2));
+#pragma unroll
+    for (int c = 0; c < D / 64; ++c)
+      tma::load_box(t.base + c * vsa::gpu::smem_layout::panel,
+                    &maps.map[rows == 16   ? 0
+                              : rows == 32 ? 1
+                                           : 2],
+                    bar, 64 * c, int(n * 64), int(h), 0);
+    return;
+  }
   if (mode == 3) {
     tma::arrive_expect(bar, 64 * D * 2);
 #pragma unroll
@@ -291,7 +313,7 @@ template <int Mode> __global__ void __launch_bounds__(32 * (Streams + 1), 1)
 
 template <int Mode> int stream(const tma_map& km, const tma_map& vm, const kind_maps& kk, const kind_maps& vk,
                                const tile_geometry& geo, const int32_t* lists, unsigned* sink, double valid_share) {
-  constexpr bool Raster = Mode >= 0 && Mode != 3;
+  constexpr bool Raster = Mode >= 0 && Mode != 3; // moved: share of the whole tiles' bytes
   const auto kernel = stream_kernel<Mode>;
   const int smem = Streams * Tiles * 64 * SD * 2 + 1024;
   CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -301,7 +323,8 @@ template <int Mode> int stream(const tma_map& km, const tma_map& vm, const kind_
   const double whole = double(SN) * SH * SK * 2 * 64 * SD * 2;
   const double moved = Raster ? whole * valid_share : whole;
   std::printf("stream %s: %.3f ms (median of 20), %.2f GB moved, %.2f TB/s; %.2f TB/s of whole tiles' worth\n",
-              Mode == 4   ? "raster [B,S,H,D], a 2-d box a run"
+              Mode == 5   ? "tiled, a box of the step's rows  "
+              : Mode == 4 ? "raster [B,S,H,D], a 2-d box a run"
               : Mode == 3 ? "tiled, as a 5-d box (64,4,4,4,1)"
               : Mode == 2 ? "raster [B,H,S,D], kind maps      "
               : Mode == 1 ? "raster [B,S,H,D], head outermost"
@@ -338,13 +361,15 @@ int main() {
   std::mt19937 rng(7);
   std::vector<int32_t> all(SN);
   for (int i = 0; i < SN; ++i) all[i] = i;
-  int64_t valid_sum = 0;
+  int64_t valid_sum = 0, step_sum = 0;
   for (size_t row = 0; row < size_t(SH) * SN; ++row) {
     std::shuffle(all.begin(), all.end(), rng);
     std::copy(all.begin(), all.begin() + SK, host.begin() + row * SK);
-    for (int e = 0; e < SK; ++e) valid_sum += geo.valid(all[e]);
+    for (int e = 0; e < SK; ++e)
+      valid_sum += geo.valid(all[e]), step_sum += vsa::gpu::detail::step_rows(geo.valid(all[e]));
   }
   const double valid_share = double(valid_sum) / (double(SH) * SN * SK * 64);
+  const double step_share = double(step_sum) / (double(SH) * SN * SK * 64);
   int32_t* lists;
   CHECK(cudaMalloc(&lists, host.size() * 4));
   CHECK(cudaMemcpy(lists, host.data(), host.size() * 4, cudaMemcpyHostToDevice));
@@ -371,7 +396,11 @@ int main() {
     const int run = int(kind_extent(geo.grid, kind).w);
     if (run > 0) encode_runs(kr2.map[kind], kr, S, SH, SD, run), encode_runs(vr2.map[kind], vr, S, SH, SD, run);
   }
-  std::printf("wan2.1 uniform lists: %.3f of the tiles' slots are valid tokens\n", valid_share);
+  kind_maps ks{}, vs{};
+  for (int m = 0; m < 3; ++m)
+    encode_tiled_rows(ks.map[m], k, tiled, SH, SD, 16 << m), encode_tiled_rows(vs.map[m], v, tiled, SH, SD, 16 << m);
+  std::printf("wan2.1 uniform lists: %.3f of the tiles' slots are valid tokens, %.3f in the steps' rows\n", valid_share,
+              step_share);
   for (int round = 0; round < 2; ++round) {
     rc |= stream<-1>(km, vm, kk[0], vk[0], geo, lists, sink, valid_share);
     rc |= stream<0>(km, vm, kk[0], vk[0], geo, lists, sink, valid_share);
@@ -379,6 +408,7 @@ int main() {
     rc |= stream<2>(km, vm, kk[2], vk[2], geo, lists, sink, valid_share);
     rc |= stream<3>(km, vm, k5, v5, geo, lists, sink, valid_share);
     rc |= stream<4>(km, vm, kr2, vr2, geo, lists, sink, valid_share);
+    rc |= stream<5>(km, vm, ks, vs, geo, lists, sink, step_share);
   }
   return rc;
 }
