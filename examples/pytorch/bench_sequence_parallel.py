@@ -126,30 +126,31 @@ def bench_layer(name, clip, args, world, rank):
     hp = heads // world
     r["op_on_head_shard_ms"] = timed(fwd_bwd(plain, leaves(4, s, hp), rand(1, s, hp, hd)))
 
-    shards, o_heads = leaves(4, s_r, heads), leaves(1, s, hp)
-    d_parts, d_out = [rand(1, s, hp, hd) for _ in range(4)], rand(1, s_r, heads, hd)
+    def exchange_times():
+        """The wrapper's four exchanges with their packing, and the four all-to-all calls alone on ready buffers."""
+        shards, o_heads = leaves(4, s_r, heads), leaves(1, s, hp)
+        d_parts, d_out = [rand(1, s, hp, hd) for _ in range(4)], rand(1, s_r, heads, hd)
 
-    def exchanges():
-        parts = sp.sequence_to_heads(shards, grid)  # q, k, v, gate in
-        (out,) = sp.heads_to_sequence(o_heads, grid)  # o out
-        torch.autograd.backward(parts + [out], d_parts + [d_out])  # dO in, dq, dk, dv, dgate out
+        def exchanges():
+            parts = sp.sequence_to_heads(shards, grid)  # q, k, v, gate in
+            (out,) = sp.heads_to_sequence(o_heads, grid)  # o out
+            torch.autograd.backward(parts + [out], d_parts + [d_out])  # dO in, dq, dk, dv, dgate out
 
-    if world == 1:  # the wrapper exchanges nothing in a group of one (it calls the op): no exchange to time
-        r["exchange_ms"] = r["collectives_ms"] = r["exchange_share"] = r["exchange_share_of_attention"] = 0.0
-        return r
-    r["exchange_ms"] = timed(exchanges)
-    tokens = [f * h * w for f in frames]
-    bufs = {n: (rand(s, 1, n, hd), rand(world * s_r, 1, n, hd)) for n in (4 * hp, hp)}
+        tokens = [f * h * w for f in frames]
+        bufs = {n: (rand(s, 1, n, hd), rand(world * s_r, 1, n, hd)) for n in (4 * hp, hp)}
 
-    def collectives():
-        for n, to_heads in ((4 * hp, True), (hp, False), (hp, True), (4 * hp, False)):
-            whole, mine = bufs[n]
-            if to_heads:  # the wrapper's own call
-                sp._all_to_all(whole, mine, tokens, [s_r] * world, None)
-            else:
-                sp._all_to_all(mine, whole, [s_r] * world, tokens, None)
+        def collectives():
+            for n, to_heads in ((4 * hp, True), (hp, False), (hp, True), (4 * hp, False)):
+                whole, mine = bufs[n]
+                if to_heads:  # the wrapper's own call
+                    sp._all_to_all(whole, mine, tokens, [s_r] * world, None)
+                else:
+                    sp._all_to_all(mine, whole, [s_r] * world, tokens, None)
 
-    r["collectives_ms"] = timed(collectives)
+        return timed(exchanges), timed(collectives)
+
+    # A group of one exchanges nothing (the wrapper calls the op): nothing to time.
+    r["exchange_ms"], r["collectives_ms"] = exchange_times() if world > 1 else (0.0, 0.0)
     r["exchange_share"] = r["exchange_ms"] / r["layer_ms"]
     r["exchange_share_of_attention"] = r["exchange_ms"] / r["attention_ms"]
     if "one_gpu" in r:

@@ -28,8 +28,9 @@ traffic, and their gradients summed back through the repeat.
 
 Every rank of the group must pass the same grid, frames and head counts, and tensors of the same dtype. A group of
 one rank has nothing to exchange: the exchanges return the tensors they were given (not new ones: an in-place change
-of one changes the caller's) and the wrapper is the op itself on the caller's tensors, so that a model written for sequence parallelism pays nothing for it on one GPU (run
-through the exchanges as copies, the wrapper took 0.88-0.92x the op's layer time there: bench/NOTES-pytorch.md)."""
+of one changes the caller's) and the wrapper is the op itself on the caller's tensors, so that a model written for
+sequence parallelism pays nothing for it on one GPU (run through the exchanges as copies, the wrapper took
+0.88-0.92x the op's layer time there: bench/NOTES-pytorch.md)."""
 import math
 
 import torch
