@@ -55,11 +55,12 @@ inline encode_tiled_fn tma_encoder() {
 #endif
 
 // Encodes the map of a [B, S, H, D] tensor of 16-bit elements (element strides batch, token, head; the head
-// dim contiguous) whose boxes are 64 columns × 64 tokens of one head and batch, stored with the 128-byte
-// swizzle. False where the platform has no TMA or the tensor does not meet its rules (16-byte aligned base
-// and strides, strides below 2^40 bytes): the caller then copies with copy_tile.
+// dim contiguous) whose boxes are 64 columns × `rows` tokens (64: a whole tile) of one head and batch, stored with the
+// 128-byte swizzle. False where the platform has no TMA or the tensor does not meet its rules (16-byte aligned base and
+// strides, strides below 2^40 bytes): the caller then copies with copy_tile.
 inline bool encode_tile_map(tma_map& map, const void* data, int64_t batch, int64_t tokens, int64_t heads,
-                            int64_t head_dim, int64_t batch_stride, int64_t token_stride, int64_t head_stride) {
+                            int64_t head_dim, int64_t batch_stride, int64_t token_stride, int64_t head_stride,
+                            int rows = tile_rows) {
 #if VSA_RUNTIME_CUDA
   const detail::encode_tiled_fn encode = detail::tma_encoder();
   if (encode == nullptr || reinterpret_cast<std::uintptr_t>(data) % 16 != 0) return false;
@@ -70,14 +71,14 @@ inline bool encode_tile_map(tma_map& map, const void* data, int64_t batch, int64
                               static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
   const cuuint64_t byte_strides[3] = {static_cast<cuuint64_t>(strides[0]), static_cast<cuuint64_t>(strides[1]),
                                       static_cast<cuuint64_t>(strides[2])};
-  const cuuint32_t box[4] = {smem_layout::panel_cols, tile_rows, 1, 1};
+  const cuuint32_t box[4] = {smem_layout::panel_cols, static_cast<cuuint32_t>(rows), 1, 1};
   const cuuint32_t unit[4] = {1, 1, 1, 1};
   return encode(reinterpret_cast<CUtensorMap*>(map.bytes), CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, const_cast<void*>(data),
                 dims, byte_strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 #else
   (void)map, (void)data, (void)batch, (void)tokens, (void)heads, (void)head_dim, (void)batch_stride, (void)token_stride,
-      (void)head_stride;
+      (void)head_stride, (void)rows;
   return false;
 #endif
 }
@@ -174,14 +175,19 @@ __device__ __forceinline__ void init_barriers(uint64_t* bars, int count, bool on
 }
 
 // Thread 0 of the block: the D/64 panels of the tile at token `token` of head `head`, batch `batch`, counted on
-// bar (one arrival announcing the tile's bytes).
-template <int D> __device__ __forceinline__ void load_tile(smem_tile<D> t, const tma_map* map, uint64_t* bar,
+// bar. load_tile announces the tile's bytes with its one arrival; load_rows takes a map whose boxes are `rows` tokens
+// high (encode_tile_map's rows) and announces those: the tile's first rows only.
+template <int D> __device__ __forceinline__ void load_rows(smem_tile<D> t, const tma_map* map, int rows, uint64_t* bar,
                                                            int64_t token, int64_t head, int64_t batch) {
-  arrive_expect(bar, smem_tile<D>::bytes);
+  arrive_expect(bar, static_cast<uint32_t>(rows * D * 2));
 #pragma unroll
   for (int c = 0; c < D / smem_layout::panel_cols; ++c)
     load_box(t.base + c * smem_layout::panel, map, bar, c * smem_layout::panel_cols, static_cast<int>(token),
              static_cast<int>(head), static_cast<int>(batch));
+}
+template <int D> __device__ __forceinline__ void load_tile(smem_tile<D> t, const tma_map* map, uint64_t* bar,
+                                                           int64_t token, int64_t head, int64_t batch) {
+  load_rows<D>(t, map, tile_rows, bar, token, head, batch);
 }
 // Every thread, once a tile has landed: this thread's share of zeroing the tile's rows at and past `valid`, as
 // copy_tile's zero-fill leaves them (a box is a whole tile, padding slots included, and a padding slot may hold

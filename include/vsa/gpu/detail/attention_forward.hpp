@@ -36,6 +36,9 @@ struct forward_params {
   int tma;
   bool raster_out; // o in raster order (the whole op's output_order); in the padding before the maps
   tma_map k_map, v_map;
+  // Where the grid has narrow steps (has_narrow_tiles): maps of V in 32- and 16-row boxes, so that a narrow step's
+  // copy of V moves only the rows it reads (hopper/feeds.hpp, narrow_maps; bench/NOTES.md, v38-v40).
+  tma_map v_narrow[2];
 };
 
 // The block's threads: 4 / forward_bands warps (the host launches this many).
@@ -98,6 +101,12 @@ __global__ void __launch_bounds__((forward_threads<E, D>(hopper_code, Sched::few
   // did not encode, and takes them whole too: with narrow steps there, ptxas serialized every wgmma of the kernel,
   // the overlapped loop's included (C7511; bench/NOTES.md, v34).
   constexpr bool narrow = Narrow && !(overlap && engine);
+  // The sparse schedule's narrow steps copy only the rows of V they read (hopper/feeds.hpp): V is asked for where its
+  // step begins, at the step's height, a constant there. K, asked for a step ahead, stays whole: its height would be
+  // the next tile's count in thread 0's path, which cost dq 23% and the wan2.2 forward 3% (bench/NOTES.md, v39-v40).
+  // Elsewhere V is asked for as soon as the step before has read its stage: a step later, it cost the wide steps 1-2%
+  // (the joint schedule, and grids with no narrow tiles).
+  constexpr bool v_narrow = narrow && !Sched::joint;
   using row_sums = row_sums_by_product<M>;
   constexpr bool matrix_sums =
       row_sums::value && (!narrow || tune.ones_narrow) && smem_plan<D>::forward_ones(hopper_code, Sched::few_blocks);
@@ -143,8 +152,12 @@ __global__ void __launch_bounds__((forward_threads<E, D>(hopper_code, Sched::few
   if (steps > 0) {
     if (feed.on()) {
       if (tid == 0) {
-        feed.load(sk(0), sv(0), s.token0(j));
-        if (overlap && steps > 1) feed.load(sk(1), sv(1), s.token0(j_next), 1);
+        if constexpr (v_narrow) { // each V is asked for where its step begins
+          feed.load_k(sk(0), s.token0(j));
+        } else {
+          feed.load(sk(0), sv(0), s.token0(j));
+          if (overlap && steps > 1) feed.load(sk(1), sv(1), s.token0(j_next), 1);
+        }
       }
     } else if (q_in_v) {
       load_k(j, kv, 0);
@@ -309,6 +322,10 @@ __global__ void __launch_bounds__((forward_threads<E, D>(hopper_code, Sched::few
           for (int bd = 0; bd < bands; ++bd)
             load_scores<M>(st[bd], s.scores_of(p.scores, bh), s, i, j, band_row(bd), false);
         } else {
+          // V at the step's height (a constant here), asked for once every warp's last P·V has read its slot.
+          if constexpr (v_narrow) {
+            if (feed.on() && tid == 0) feed.template load_v_rows<W>(sv(0), s.token0(j));
+          }
           if (feed.on()) kc.wait();
           if constexpr (bands > 1) { // each fragment of K loaded once for every band (warp_mma::nt_bands)
 #pragma unroll
@@ -349,7 +366,7 @@ __global__ void __launch_bounds__((forward_threads<E, D>(hopper_code, Sched::few
 
       if (feed.on()) {
         __syncthreads(); // every warp's P·V has read V
-        if (tid == 0 && pos + 1 < end) feed.load_v(sv(0), s.token0(j));
+        if (!v_narrow && tid == 0 && pos + 1 < end) feed.load_v(sv(0), s.token0(j));
         continue;
       }
       if (stages == 1) {

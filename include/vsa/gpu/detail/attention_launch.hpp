@@ -75,8 +75,16 @@ status launch_forward(const forward_params& fp, const Sched& s, int64_t batch, i
   if (smem_plan<D>::forward_copy_engine(hopper, Sched::few_blocks)) { // Hopper's sparse pass, not the coarse one
     // K and V through the copy engine where both maps encode (hopper_tma.hpp).
     const int64_t kv_heads = heads / fp.group, tokens = s.rows_total();
-    if (encode_tile_map(f.k_map, fp.k.data, batch, tokens, kv_heads, D, fp.k.batch, fp.k.token, fp.k.head) &&
-        encode_tile_map(f.v_map, fp.v.data, batch, tokens, kv_heads, D, fp.v.batch, fp.v.token, fp.v.head))
+    const auto map = [&](tma_map& m, const operand& x, int rows) {
+      return encode_tile_map(m, x.data, batch, tokens, kv_heads, D, x.batch, x.token, x.head, rows);
+    };
+    // The sparse schedule's narrow steps (the one-step loop's, not the overlapped one's: attention_forward_kernel) copy
+    // V's rows they read only: maps of their heights too (narrow_maps).
+    bool narrow = false;
+    if constexpr (!Sched::few_blocks && !Sched::joint)
+      narrow = s.narrow_pays() && !smem_plan<D>::forward_overlap(hopper, false);
+    if (map(f.k_map, fp.k, tile_rows) && map(f.v_map, fp.v, tile_rows) &&
+        (!narrow || (map(f.v_narrow[0], fp.v, 32) && map(f.v_narrow[1], fp.v, 16))))
       f.tma = 1;
   }
   return launch("attention forward", kernel, grid, forward_threads<E, D>(hopper, Sched::few_blocks), smem, stream,

@@ -32,6 +32,7 @@ struct copy_tile_feed {
   template <class... A> __device__ __forceinline__ void load(const A&...) const {}
   template <class... A> __device__ __forceinline__ void load_k(const A&...) const {}
   template <class... A> __device__ __forceinline__ void load_v(const A&...) const {}
+  template <int Rows, class... A> __device__ __forceinline__ void load_v_rows(const A&...) const {}
   template <class... A> __device__ __forceinline__ void wait(const A&...) const {}
   __device__ __forceinline__ copy_tile_feed k_stage0() const { return *this; }
   __device__ __forceinline__ copy_tile_feed v_stage0() const { return *this; }
@@ -41,6 +42,19 @@ struct copy_tile_feed {
   template <class... A> __device__ __forceinline__ void store(const A&...) const {}
   __device__ __forceinline__ static void wait_stores_read() {}
   __device__ __forceinline__ static void wait_stores() {}
+};
+
+// The map of V a feed takes for a tile's first Rows rows (16, 32 or 64): params that hold maps of the narrow steps'
+// heights (v_narrow: boxes of 32 and 16 rows) give the one of that height and copy rows<Rows> rows; others whole tiles.
+template <class Params, class = void> struct narrow_maps {
+  template <int Rows> static constexpr int rows = tile_rows;
+  template <int Rows> __device__ __forceinline__ static const tma_map* v(const Params& p) { return &p.v_map; }
+};
+template <class Params> struct narrow_maps<Params, std::void_t<decltype(&Params::v_narrow)>> {
+  template <int Rows> static constexpr int rows = Rows;
+  template <int Rows> __device__ __forceinline__ static const tma_map* v(const Params& p) {
+    return Rows == tile_rows ? &p.v_map : &p.v_narrow[Rows == 32 ? 0 : 1];
+  }
 };
 
 #if VSA_WGMMA
@@ -78,11 +92,18 @@ template <int D, int Bars, class Params> struct kv_engine_feed : head_engine_fee
     tma::load_tile<D>(t, &this->p.k_map, &this->ready[2 * stage], first, this->head, this->batch);
   }
   __device__ __forceinline__ void load_v(smem_tile<D> t, int64_t first, int stage = 0) const {
-    tma::load_tile<D>(t, &this->p.v_map, &this->ready[2 * stage + 1], first, this->head, this->batch);
+    load_v_rows<tile_rows>(t, first, stage);
   }
   __device__ __forceinline__ void load(smem_tile<D> kt, smem_tile<D> vt, int64_t first, int stage = 0) const {
     load_k(kt, first, stage);
     load_v(vt, first, stage);
+  }
+  // V of the tile's first Rows rows only (a narrow step's 16 or 32: step_rows) where the params hold maps of boxes that
+  // high (narrow_maps), else all of it. The height is a constant: a map chosen at run time cost the D = 128 forward the
+  // registers its wgmma pipeline needs (bench/NOTES.md, v38).
+  template <int Rows> __device__ __forceinline__ void load_v_rows(smem_tile<D> t, int64_t first, int stage = 0) const {
+    tma::load_rows<D>(t, narrow_maps<Params>::template v<Rows>(this->p), narrow_maps<Params>::template rows<Rows>,
+                      &this->ready[2 * stage + 1], first, this->head, this->batch);
   }
 
   // Every thread, in a loop of one stage, where on(): waits for K or V of stage 0 through these (tma::tile_one::wait,
