@@ -124,6 +124,73 @@ void op_raster(benchmark::State& state, const shape& s, bool backward_pass) {
   time_op(state, inputs_of(s), opt, backward_pass, false);
 }
 
+// A layer's attention as a model in raster order calls it, with a gate, o and the gradients in raster order (the op's
+// output_order), forward or backward. How its inputs come to be tiled: `fused`, the op tiles them itself
+// (options::input_order raster: the block means write the tiled q, k, v and gate, the combine's backward the tiled
+// d_o); `passes`, tile passes run before each call on tiled inputs (four before the forward, d_o's before the
+// backward); `untimed`, the same passes run once before the timing (the op on tiled inputs alone, the reference the
+// other two are measured against). The forward's tiled copies are kept for the backward (the binding's keep_tiled).
+enum class input_tiling { untimed, passes, fused };
+void op_raster_inputs(benchmark::State& state, const shape& s, bool backward_pass, input_tiling how) {
+  const bool fused = how == input_tiling::fused;
+  inputs& in = inputs_of(s);
+  const problem& p = in.p;
+  const int64_t raster = tile_geometry(p.grid).raster_tokens(), n = p.batch * in.tokens * p.q_heads * p.head_dim;
+  const buffer gate = random_elements(n, p.type, 5);
+  buffer tq(n * 2), tk(n * 2), tv(n * 2), tg(n * 2), tdo(n * 2), dgate(n * 2);
+  options opt;
+  opt.output_order = token_order::raster;
+  if (fused) opt.input_order = token_order::raster;
+  const auto rows = [&](const buffer& b, int64_t heads) { return as_const(in.view(b, heads, raster)); };
+  const auto tiled = [&](const buffer& b, int64_t heads) { return in.view(b, heads); };
+  const tiled_inputs copies{tiled(tq, p.q_heads), tiled(tk, p.kv_heads), tiled(tv, p.kv_heads), tiled(tg, p.q_heads)};
+  forward_io fio{rows(in.q, p.q_heads), rows(in.kk, p.kv_heads), rows(in.v, p.kv_heads), rows(gate, p.q_heads),
+                 in.view(in.o, p.q_heads, raster)};
+  if (fused) fio.tiled = copies;
+  const forward_io tiled_fio{as_const(copies.q), as_const(copies.k), as_const(copies.v), as_const(copies.gate), fio.o};
+  const backward_io bio{as_const(copies.q),
+                        as_const(copies.k),
+                        as_const(copies.v),
+                        as_const(copies.gate),
+                        as_const(fio.o),
+                        fused ? rows(in.d_o, p.q_heads) : as_const(tiled(tdo, p.q_heads)),
+                        in.view(in.dq, p.q_heads, raster),
+                        in.view(in.dk, p.kv_heads, raster),
+                        in.view(in.dv, p.kv_heads, raster),
+                        in.view(dgate, p.q_heads, raster)};
+  std::size_t fbytes = 0, bbytes = 0;
+  check(forward(p, opt, fio, nullptr, fbytes, nullptr), "forward workspace size");
+  check(backward(p, opt, bio, nullptr, bbytes, nullptr), "backward workspace size");
+  buffer ws(std::max(fbytes, bbytes));
+  const auto tile_inputs = [&] {
+    check(tile(p, p.q_heads, fio.q, copies.q, nullptr), "tile q");
+    check(tile(p, p.kv_heads, fio.k, copies.k, nullptr), "tile k");
+    check(tile(p, p.kv_heads, fio.v, copies.v, nullptr), "tile v");
+    check(tile(p, p.q_heads, fio.gate, copies.gate, nullptr), "tile gate");
+  };
+  const auto tile_d_o = [&] {
+    check(tile(p, p.q_heads, rows(in.d_o, p.q_heads), tiled(tdo, p.q_heads), nullptr), "tile d_o");
+  };
+  const auto run_forward = [&] {
+    if (fused) {
+      check(forward(p, opt, fio, ws.get(), fbytes, nullptr), "op forward");
+      return;
+    }
+    if (how == input_tiling::passes) tile_inputs();
+    check(forward(p, opt, tiled_fio, ws.get(), fbytes, nullptr), "op forward");
+  };
+  const auto run_backward = [&] {
+    if (how == input_tiling::passes) tile_d_o();
+    check(backward(p, opt, bio, ws.get(), bbytes, nullptr), "op backward");
+  };
+  if (how == input_tiling::untimed) {
+    tile_inputs();
+    tile_d_o();
+  }
+  if (backward_pass) run_forward();
+  backward_pass ? time_on_stream(state, nullptr, run_backward) : time_on_stream(state, nullptr, run_forward);
+}
+
 // The whole op with `count` extra tokens after the video (joint_forward, joint_backward).
 void joint_op(benchmark::State& state, const shape& s, int64_t count, bool backward_pass) {
   inputs& in = kept<inputs>(std::string(s.name) + "/E" + std::to_string(count), s, count);
@@ -384,6 +451,17 @@ const bool registered = [] {
                                    op_raster, s, backward_pass)
           ->UseManualTime()
           ->Unit(benchmark::kMillisecond);
+    for (const bool backward_pass : {false, true})
+      for (const auto how : {input_tiling::untimed, input_tiling::passes, input_tiling::fused})
+        benchmark::RegisterBenchmark((std::string(backward_pass ? "op_backward_" : "op_forward_") +
+                                      (how == input_tiling::untimed  ? "tiled_inputs/"
+                                       : how == input_tiling::passes ? "tile_passes/"
+                                                                     : "raster_inputs/") +
+                                      n)
+                                         .c_str(),
+                                     op_raster_inputs, s, backward_pass, how)
+            ->UseManualTime()
+            ->Unit(benchmark::kMillisecond);
     // The host's cost of one call (the GPU kept busy), which a binding adds to.
     // (A few iterations: each waits for its calls' GPU work, a thousand times the time it measures.)
     benchmark::RegisterBenchmark(("op_forward_host/" + n).c_str(), op_forward_backward, s, false, true)

@@ -245,15 +245,26 @@ struct options {
   // Order of the op's outputs: o, as forward() writes it and backward() reads it, and the gradients dq, dk,
   // dv and dgate. raster: T·H·W tokens, every valid slot's row at its token, so that a model takes them with no
   // untile pass (nothing is written for padding slots); tiled: N·64 slots, padding slots written zero. The
-  // other tensors, q, k, v, gate and d_o, are tiled either way.
+  // other tensors are ordered by input_order.
   token_order output_order = token_order::tiled;
+  // Order of the op's inputs: q, k, v and gate as forward() takes them, and d_o as backward() does. raster: T·H·W
+  // tokens, and the op makes the tiled copies its kernels read inside the passes that read every token anyway
+  // (the block means, and the combine's backward; a plain tile pass where the caller supplied the lists):
+  // forward() writes the tiled q, k, v and gate into forward_io::tiled, the caller's memory, and backward() takes
+  // those as its q, k, v and gate (or the caller's own tiled copies), d_o in raster order. tiled: N·64 slots.
+  token_order input_order = token_order::tiled;
 };
 
 // Tensors of the whole op, all [B, S, H, D] views in tiled order (S = N·64; o and the gradients in raster order
-// when options::output_order says so). gate may have a null data pointer (g = 1); then dgate must be null too.
+// when options::output_order says so, the forward's inputs and d_o when options::input_order does). gate may have
+// a null data pointer (g = 1); then dgate must be null too.
+struct tiled_inputs {
+  tensor q, k, v, gate; // N·64 slots each, padding slots written zero; gate null where the op has no gate
+};
 struct forward_io {
   const_tensor q, k, v, gate;
   tensor o;
+  tiled_inputs tiled{}; // input_order raster: where forward() puts the tiled copies of q, k, v and gate
 };
 struct backward_io {
   const_tensor q, k, v, gate, o, d_o;

@@ -285,14 +285,19 @@ inline status check_disjoint(std::initializer_list<footprint> outputs, std::init
 // lists (empty where the op selects its own), `workspace` the sparse backward's (null for the reference, which
 // takes none), k2q read where `with_k2q`, `extra` the joint op's extra tokens (they lengthen the sparse pass's lse;
 // the views carry their own token counts).
+// The forward's tiled copies (forward_io::tiled) are outputs where `tiled_copies` (options::input_order raster).
 inline status check_forward_disjoint(const problem& p, const forward_io& io, const void* state, std::size_t state_bytes,
-                                     const void* scratch, std::size_t scratch_bytes, const const_index_lists& lists) {
+                                     const void* scratch, std::size_t scratch_bytes, const const_index_lists& lists,
+                                     bool tiled_copies = false) {
   const list_footprints l = lists_footprint(p, lists, false);
-  return check_disjoint({view_footprint("o", io.o, p, p.q_heads), buffer_footprint("state", state, state_bytes),
-                         buffer_footprint("scratch", scratch, scratch_bytes)},
-                        {view_footprint("q", io.q, p, p.q_heads), view_footprint("k", io.k, p, p.kv_heads),
-                         view_footprint("v", io.v, p, p.kv_heads), view_footprint("gate", io.gate, p, p.q_heads), l.q2k,
-                         l.count});
+  const tiled_inputs t = tiled_copies ? io.tiled : tiled_inputs{};
+  return check_disjoint(
+      {view_footprint("o", io.o, p, p.q_heads), buffer_footprint("state", state, state_bytes),
+       buffer_footprint("scratch", scratch, scratch_bytes), view_footprint("tiled.q", t.q, p, p.q_heads),
+       view_footprint("tiled.k", t.k, p, p.kv_heads), view_footprint("tiled.v", t.v, p, p.kv_heads),
+       view_footprint("tiled.gate", t.gate, p, p.q_heads)},
+      {view_footprint("q", io.q, p, p.q_heads), view_footprint("k", io.k, p, p.kv_heads),
+       view_footprint("v", io.v, p, p.kv_heads), view_footprint("gate", io.gate, p, p.q_heads), l.q2k, l.count});
 }
 inline status check_backward_disjoint(const problem& p, const backward_io& io, const void* state,
                                       std::size_t state_bytes, const void* scratch, std::size_t scratch_bytes,
@@ -344,11 +349,13 @@ inline status check_combine_disjoint(const problem& p, const const_tensor& o_s, 
 }
 // combine_backward: dgate and d_o_c against each other and every input.
 inline status check_combine_backward_disjoint(const problem& p, const const_tensor& d_o, const const_tensor& gate,
-                                              const void* o_c, const tensor& dgate, const void* d_o_c) {
-  return check_disjoint(
-      {view_footprint("dgate", dgate, p, p.q_heads), buffer_footprint("d_o_c", d_o_c, coarse_bytes(p))},
-      {view_footprint("d_o", d_o, p, p.q_heads), view_footprint("gate", gate, p, p.q_heads),
-       buffer_footprint("o_c", o_c, coarse_bytes(p))});
+                                              const void* o_c, const tensor& dgate, const void* d_o_c,
+                                              const tensor& d_o_tiled = {}) {
+  return check_disjoint({view_footprint("dgate", dgate, p, p.q_heads),
+                         buffer_footprint("d_o_c", d_o_c, coarse_bytes(p)),
+                         view_footprint("d_o_tiled", d_o_tiled, p, p.q_heads)},
+                        {view_footprint("d_o", d_o, p, p.q_heads), view_footprint("gate", gate, p, p.q_heads),
+                         buffer_footprint("o_c", o_c, coarse_bytes(p))});
 }
 // The bytes of the sparse pass's lse, [B, Hq, N·64 + extra tokens] fp32.
 inline std::size_t lse_bytes(const problem& p, const extra_tokens& extra = {}) {
@@ -356,17 +363,41 @@ inline std::size_t lse_bytes(const problem& p, const extra_tokens& extra = {}) {
          static_cast<std::size_t>(p.batch * p.q_heads * (tile_geometry(p.grid).tiled_tokens() + extra.count));
 }
 // block_means: the means (and their fp32 copies) against each other and the tensors they are taken of.
+// With `tiled` (block_means_tiling), the tiled copies are outputs too, and the gate an input.
 inline status check_means_disjoint(const problem& p, const const_tensor& q, const const_tensor& k,
                                    const const_tensor& v, const void* q_c, const void* k_c, const void* v_c,
-                                   const float* q_c_f32, const float* k_c_f32) {
+                                   const float* q_c_f32, const float* k_c_f32, const const_tensor& gate = {},
+                                   const tiled_inputs* tiled = nullptr) {
   const means_elements m = coarse_elements(p);
   const std::size_t e = dtype_size(p.type);
-  return check_disjoint({buffer_footprint("q_c", q_c, m.q * e), buffer_footprint("k_c", k_c, m.k * e),
-                         buffer_footprint("v_c", v_c, m.k * e),
-                         buffer_footprint("q_c_f32", q_c_f32, m.q * sizeof(float)),
-                         buffer_footprint("k_c_f32", k_c_f32, m.k * sizeof(float))},
-                        {view_footprint("q", q, p, p.q_heads), view_footprint("k", k, p, p.kv_heads),
-                         view_footprint("v", v, p, p.kv_heads)});
+  const tiled_inputs t = tiled != nullptr ? *tiled : tiled_inputs{};
+  return check_disjoint(
+      {buffer_footprint("q_c", q_c, m.q * e), buffer_footprint("k_c", k_c, m.k * e),
+       buffer_footprint("v_c", v_c, m.k * e), buffer_footprint("q_c_f32", q_c_f32, m.q * sizeof(float)),
+       buffer_footprint("k_c_f32", k_c_f32, m.k * sizeof(float)), view_footprint("tiled.q", t.q, p, p.q_heads),
+       view_footprint("tiled.k", t.k, p, p.kv_heads), view_footprint("tiled.v", t.v, p, p.kv_heads),
+       view_footprint("tiled.gate", t.gate, p, p.q_heads)},
+      {view_footprint("q", q, p, p.q_heads), view_footprint("k", k, p, p.kv_heads),
+       view_footprint("v", v, p, p.kv_heads), view_footprint("gate", gate, p, p.q_heads)});
+}
+// Inputs in raster order and the tiled copies made of them (block_means_tiling, the whole op's input_order raster):
+// q, k, v and the gate of T·H·W tokens, tiled.q, k, v and gate of N·64 slots, tiled.gate given exactly when the
+// gate is.
+inline status check_raster_inputs(const problem& p, const const_tensor& q, const const_tensor& k, const const_tensor& v,
+                                  const const_tensor& gate, const tiled_inputs& tiled, target where) {
+  const tile_geometry geo(p.grid);
+  const int64_t raster = geo.raster_tokens(), slots = geo.tiled_tokens();
+  status s = check_tensor("q", q, p, p.q_heads, raster, where);
+  if (s) s = check_tensor("k", k, p, p.kv_heads, raster, where);
+  if (s) s = check_tensor("v", v, p, p.kv_heads, raster, where);
+  if (s && gate.data != nullptr) s = check_tensor("gate", gate, p, p.q_heads, raster, where);
+  if (s) s = check_tensor("tiled.q", tiled.q, p, p.q_heads, slots, where);
+  if (s) s = check_tensor("tiled.k", tiled.k, p, p.kv_heads, slots, where);
+  if (s) s = check_tensor("tiled.v", tiled.v, p, p.kv_heads, slots, where);
+  if (s && gate.data == nullptr && tiled.gate.data != nullptr)
+    s = status::error(errc::bad_argument, "tiled.gate: given without a gate");
+  if (s && gate.data != nullptr) s = check_tensor("tiled.gate", tiled.gate, p, p.q_heads, slots, where);
+  return s;
 }
 // select_top_k: q2k, q2k_count and the workspace (null and 0 for the reference) against each other and the scores.
 inline status check_top_k_disjoint(const problem& p, const float* scores, const index_lists& idx, const void* workspace,
@@ -545,9 +576,25 @@ inline status resolve_op_top_k(int64_t num_tiles, const options& opt, int64_t& k
 
 // The token count of the whole op's outputs (o and the gradients) under options::output_order, or the error
 // naming a value that is not a token_order.
-inline status output_tokens(const problem& p, const options& opt, int64_t& tokens) {
+// The forward's inputs as the op's passes after the first read them: the caller's, or with options::input_order raster
+// their tiled copies (forward_io::tiled), which the op writes first.
+namespace detail {
+inline forward_io tiled_view(const forward_io& io, bool raster_in) {
+  if (!raster_in) return io;
+  forward_io t = io;
+  t.q = io.tiled.q;
+  t.k = io.tiled.k;
+  t.v = io.tiled.v;
+  t.gate = io.tiled.gate;
+  return t;
+}
+} // namespace detail
+
+// The token count of a tensor in `order` (`name`: the option that gave it, for the error): N·64 slots tiled, T·H·W
+// tokens raster.
+inline status tokens_in_order(const problem& p, token_order order, const char* name, int64_t& tokens) {
   const tile_geometry geo(p.grid);
-  switch (opt.output_order) {
+  switch (order) {
   case token_order::tiled:
     tokens = geo.tiled_tokens();
     return status::ok();
@@ -555,8 +602,15 @@ inline status output_tokens(const problem& p, const options& opt, int64_t& token
     tokens = geo.raster_tokens();
     return status::ok();
   }
-  return status::error(errc::bad_argument, "output_order: not a token_order value (%d)",
-                       static_cast<int>(opt.output_order));
+  return status::error(errc::bad_argument, "%s: not a token_order value (%d)", name, static_cast<int>(order));
+}
+// The whole op's inputs q, k, v, gate and d_o (options::input_order), and its outputs o and the gradients
+// (options::output_order).
+inline status input_tokens(const problem& p, const options& opt, int64_t& tokens) {
+  return tokens_in_order(p, opt.input_order, "input_order", tokens);
+}
+inline status output_tokens(const problem& p, const options& opt, int64_t& tokens) {
+  return tokens_in_order(p, opt.output_order, "output_order", tokens);
 }
 
 } // namespace vsa

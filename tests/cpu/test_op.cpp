@@ -411,6 +411,118 @@ TEST_CASE("the op in raster output order is the tiled op untiled", "[cpu][op][ra
   }
 }
 
+TEST_CASE("the op in raster input order is the op on the tiled inputs", "[cpu][op][raster]") {
+  VSA_TEST_RNG(g, "op raster input");
+  for (const dtype type : {dtype::f64, dtype::bf16}) {
+    for (const bool gated : {true, false}) {
+      for (const token_order out : {token_order::tiled, token_order::raster}) {
+        INFO(dtype_name(type) << (gated ? " gated" : " ungated") << " output " << static_cast<int>(out));
+        const problem p = make_problem({5, 6, 7}, 2, 4, 2, 8, type);
+        const tile_geometry geo(p.grid);
+        const int64_t raster = geo.raster_tokens(), slots = geo.tiled_tokens();
+        // Raster inputs, and what tile() makes of them: the tiled op's inputs.
+        op_tensors r{host_tensor(type, 2, raster, 4, 8), host_tensor(type, 2, raster, 2, 8),
+                     host_tensor(type, 2, raster, 2, 8), host_tensor(type, 2, raster, 4, 8)};
+        op_tensors x{host_tensor(type, 2, slots, 4, 8), host_tensor(type, 2, slots, 2, 8),
+                     host_tensor(type, 2, slots, 2, 8), host_tensor(type, 2, slots, 4, 8)};
+        host_tensor d_o_r(type, 2, raster, 4, 8), d_o(type, 2, slots, 4, 8);
+        const int64_t heads[] = {4, 2, 2, 4, 4};
+        host_tensor* raster_of[] = {&r.q, &r.k, &r.v, &r.gate, &d_o_r};
+        host_tensor* tiled_of[] = {&x.q, &x.k, &x.v, &x.gate, &d_o};
+        for (int t = 0; t < 5; ++t) {
+          raster_of[t]->fill_normal(g);
+          REQUIRE(reference::tile(p, heads[t], raster_of[t]->cview(), tiled_of[t]->view()).is_ok());
+        }
+        options opt;
+        opt.top_k = 3;
+        opt.output_order = out;
+        const op_result want = run_op(p, opt, x, gated, &d_o);
+
+        opt.input_order = token_order::raster;
+        const int64_t s = out == token_order::raster ? raster : slots;
+        host_tensor o(type, 2, s, 4, 8), dq(type, 2, s, 4, 8), dk(type, 2, s, 2, 8), dv(type, 2, s, 2, 8),
+            dgate(type, 2, s, 4, 8);
+        op_tensors copies{host_tensor(type, 2, slots, 4, 8), host_tensor(type, 2, slots, 2, 8),
+                          host_tensor(type, 2, slots, 2, 8), host_tensor(type, 2, slots, 4, 8)};
+        for (host_tensor* t : {&o, &dq, &dk, &dv, &dgate, &copies.q, &copies.k, &copies.v, &copies.gate})
+          t->fill_byte(test::poison_byte);
+        forward_io io{r.q.cview(), r.k.cview(), r.v.cview(), r.gate.cview(), o.view()};
+        io.tiled = {copies.q.view(), copies.k.view(), copies.v.view(), copies.gate.view()};
+        if (!gated) io.gate.data = io.tiled.gate.data = nullptr;
+        std::size_t bytes = 0;
+        REQUIRE(reference::forward(p, opt, io, nullptr, bytes).is_ok());
+        CHECK(bytes == want.forward_bytes);
+        std::size_t backward_bytes = 0;
+        backward_io bio{copies.q.cview(), copies.k.cview(), copies.v.cview(), as_const(io.tiled.gate),
+                        o.cview(),        d_o_r.cview(),    dq.view(),        dk.view(),
+                        dv.view(),        dgate.view()};
+        if (!gated) bio.dgate.data = nullptr;
+        REQUIRE(reference::backward(p, opt, bio, nullptr, backward_bytes).is_ok());
+        test::aligned_buffer ws(std::max(bytes, backward_bytes));
+        REQUIRE(reference::forward(p, opt, io, ws.data(), bytes).is_ok());
+        CHECK(copies.q.bytes == x.q.bytes);
+        CHECK(copies.k.bytes == x.k.bytes);
+        CHECK(copies.v.bytes == x.v.bytes);
+        if (gated) CHECK(copies.gate.bytes == x.gate.bytes);
+        CHECK(o.bytes == want.o.bytes);
+        bytes = backward_bytes;
+        REQUIRE(reference::backward(p, opt, bio, ws.data(), bytes).is_ok());
+        CHECK(dq.bytes == want.dq.bytes);
+        CHECK(dk.bytes == want.dk.bytes);
+        CHECK(dv.bytes == want.dv.bytes);
+        if (gated) CHECK(dgate.bytes == want.dgate.bytes);
+      }
+    }
+  }
+}
+
+TEST_CASE("the op in raster input order rejects what it cannot take", "[cpu][op][raster][errors]") {
+  const problem p = make_problem({5, 6, 7}, 1, 2, 1, 8, dtype::bf16);
+  const tile_geometry geo(p.grid);
+  const int64_t raster = geo.raster_tokens(), slots = geo.tiled_tokens();
+  host_tensor q(p.type, 1, raster, 2, 8), k(p.type, 1, raster, 1, 8), v(p.type, 1, raster, 1, 8),
+      o(p.type, 1, slots, 2, 8);
+  host_tensor tq(p.type, 1, slots, 2, 8), tk(p.type, 1, slots, 1, 8), tv(p.type, 1, slots, 1, 8);
+  options opt;
+  opt.top_k = 2;
+  opt.input_order = token_order::raster;
+  std::size_t bytes = 0;
+  REQUIRE(reference::forward(p, opt, forward_io{}, nullptr, bytes).is_ok());
+  test::aligned_buffer ws(bytes);
+  const auto run = [&](const forward_io& io, const options& o2) {
+    std::size_t b = bytes;
+    return reference::forward(p, o2, io, ws.data(), b);
+  };
+  forward_io io{q.cview(), k.cview(), v.cview(), {}, o.view()};
+  io.tiled = {tq.view(), tk.view(), tv.view(), {}};
+  REQUIRE(run(io, opt).is_ok());
+  forward_io no_copy = io;
+  no_copy.tiled.k = {};
+  CHECK(run(no_copy, opt).code() == errc::null_pointer);
+  forward_io tiled_q = io;
+  tiled_q.q = as_const(tq.view());
+  CHECK(run(tiled_q, opt).code() == errc::bad_tokens);
+  forward_io over = io;
+  over.tiled.v = tk.view(); // two copies into one tensor
+  CHECK(run(over, opt).code() == errc::aliased);
+  forward_io onto_input = io;
+  onto_input.tiled.q = tensor{q.data(), slots, q.view().batch_stride, q.view().token_stride, q.view().head_stride};
+  CHECK(run(onto_input, opt).code() != errc::ok);
+  forward_io stray_gate = io;
+  stray_gate.tiled.gate = tq.view();
+  CHECK(run(stray_gate, opt).code() == errc::bad_argument);
+  options bad = opt;
+  bad.input_order = static_cast<token_order>(5);
+  CHECK(run(io, bad).code() == errc::bad_argument);
+  // Not yet with extra tokens (joint attention), whose tensors are tiled only.
+  std::size_t joint_bytes = 0;
+  REQUIRE(reference::joint_forward(p, {7, false}, opt, forward_io{}, nullptr, joint_bytes).is_ok());
+  test::aligned_buffer joint_ws(joint_bytes);
+  const status joint = reference::joint_forward(p, {7, false}, opt, io, joint_ws.data(), joint_bytes);
+  CHECK(joint.code() == errc::unsupported);
+  CHECK(std::string(joint.message()).find("input_order") != std::string::npos);
+}
+
 TEST_CASE("the op's two-phase workspace", "[cpu][op][workspace]") {
   VSA_TEST_RNG(g, "op workspace");
   const problem p = make_problem({5, 6, 7}, 1, 2, 1, 8, dtype::bf16);

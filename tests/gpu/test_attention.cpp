@@ -636,6 +636,99 @@ struct op_run {
   std::vector<const device_tensor*> outputs() const { return {&o, &dq, &dk, &dv, &dgate}; }
 };
 
+// The whole op with options::input_order raster: q, k, v and the gate read in raster order, their tiled copies written
+// by the block means (on the caller's lists, by tile passes), d_o read in raster order and tiled by the combine's
+// backward (or a tile pass). Against the op on the tiled inputs (tiled on the host by the reference): the copies, o
+// and every gradient bit for bit, since the same kernels then read the same tiles. Gated runs put o and the gradients
+// in raster order, ungated ones in tiled order; the lists case runs the tile passes.
+TEST_CASE("the whole op in raster input order is the op on its inputs tiled", "[gpu][op]") {
+  for (const config& c : configs()) {
+    for (const int mode : {0, 1, 2}) { // 0 gated, raster outputs; 1 ungated, tiled outputs; 2 the caller's lists
+      const bool gated = mode == 0, lists = mode == 2;
+      const problem p = to_problem(c);
+      VSA_TEST_RNG(g, "op-raster-input");
+      INFO(describe(c) << " mode " << mode);
+      const tile_geometry geo(p.grid);
+      const int64_t slots = geo.tiled_tokens(), tokens = geo.raster_tokens();
+      const auto shape = [&](int64_t s, int64_t heads) {
+        return host_tensor(c.type, c.batch, s, heads, c.head_dim, c.order);
+      };
+      // Raster inputs of random values in every token, and the reference's tiling of each.
+      host_tensor raster[5] = {shape(tokens, p.q_heads), shape(tokens, p.kv_heads), shape(tokens, p.kv_heads),
+                               shape(tokens, p.q_heads), shape(tokens, p.q_heads)}; // q, k, v, gate, d_o
+      host_tensor tiled[5] = {shape(slots, p.q_heads), shape(slots, p.kv_heads), shape(slots, p.kv_heads),
+                              shape(slots, p.q_heads), shape(slots, p.q_heads)};
+      const int64_t heads[5] = {p.q_heads, p.kv_heads, p.kv_heads, p.q_heads, p.q_heads};
+      for (int t = 0; t < 5; ++t) {
+        raster[t].fill_normal(g);
+        REQUIRE(reference::tile(p, heads[t], raster[t].cview(), tiled[t].view()).is_ok());
+      }
+      const device_tensor q_r(raster[0]), k_r(raster[1]), v_r(raster[2]), gate_r(raster[3]), do_r(raster[4]);
+      const device_tensor q_t(tiled[0]), k_t(tiled[1]), v_t(tiled[2]), gate_t(tiled[3]), do_t(tiled[4]);
+      host_lists hl = random_lists(p, 3, g, [&](int64_t) { return 1 + g.integer(0, 2); });
+      const device_lists dl(hl);
+      options opt{};
+      opt.sparsity = 0.6;
+      opt.output_order = gated ? token_order::raster : token_order::tiled;
+      if (lists) opt.q2k = {dl.view().q2k, dl.view().q2k_count, dl.capacity};
+      const int64_t out = gated ? tokens : slots;
+      const host_tensor out_q = shape(out, p.q_heads), out_kv = shape(out, p.kv_heads);
+      op_run want(out_q, out_kv, 16, 0), got(out_q, out_kv, 16, 0); // their own workspaces unused here
+      device_tensor copies[4] = {device_tensor(tiled[0], poisoned), device_tensor(tiled[1], poisoned),
+                                 device_tensor(tiled[2], poisoned), device_tensor(tiled[3], poisoned)};
+      const auto run = [&](const options& o, const forward_io& fio, const backward_io& bio) {
+        std::size_t fbytes = 0, bbytes = 0;
+        REQUIRE(forward(p, o, fio, nullptr, fbytes, nullptr).is_ok());
+        REQUIRE(backward(p, o, bio, nullptr, bbytes, nullptr).is_ok());
+        CHECK(bbytes >= fbytes);
+        device_buffer ws(bbytes);
+        ws.poison();
+        std::size_t bytes = bbytes;
+        const status sf = forward(p, o, fio, ws.get(), bytes, nullptr);
+        INFO(sf.message());
+        REQUIRE(sf.is_ok());
+        const status sb = backward(p, o, bio, ws.get(), bytes, nullptr);
+        INFO(sb.message());
+        REQUIRE(sb.is_ok());
+        VSA_REQUIRE_RT(gpu_sync());
+      };
+      {
+        const const_tensor gate = gated ? gate_t.cview() : const_tensor{};
+        const forward_io fio{q_t.cview(), k_t.cview(), v_t.cview(), gate, want.o.view()};
+        const backward_io bio{
+            q_t.cview(),  k_t.cview(),    v_t.cview(),    gate,           want.o.cview(),
+            do_t.cview(), want.dq.view(), want.dk.view(), want.dv.view(), gated ? want.dgate.view() : tensor{}};
+        run(opt, fio, bio);
+      }
+      {
+        options raster_in = opt;
+        raster_in.input_order = token_order::raster;
+        forward_io fio{q_r.cview(), k_r.cview(), v_r.cview(), gated ? gate_r.cview() : const_tensor{}, got.o.view()};
+        fio.tiled = {copies[0].view(), copies[1].view(), copies[2].view(), gated ? copies[3].view() : tensor{}};
+        // The backward takes the forward's tiled copies, and d_o in raster order.
+        const backward_io bio{copies[0].cview(), copies[1].cview(),
+                              copies[2].cview(), as_const(fio.tiled.gate),
+                              got.o.cview(),     do_r.cview(),
+                              got.dq.view(),     got.dk.view(),
+                              got.dv.view(),     gated ? got.dgate.view() : tensor{}};
+        run(raster_in, fio, bio);
+      }
+      for (int t = 0; t < (gated ? 4 : 3); ++t) {
+        INFO("tiled copy " << t);
+        CHECK(copies[t].canaries_intact());
+        CHECK(copies[t].download().bytes == tiled[t].bytes); // padding slots zero, as the reference's tile()
+      }
+      const char* names[5] = {"o", "dq", "dk", "dv", "dgate"};
+      const auto outputs_want = want.outputs(), outputs_got = got.outputs();
+      for (int t = 0; t < (gated ? 5 : 4); ++t) {
+        INFO(names[t]);
+        CHECK(outputs_got[t]->canaries_intact());
+        CHECK(outputs_got[t]->download().bytes == outputs_want[t]->download().bytes);
+      }
+    }
+  }
+}
+
 TEST_CASE("the whole op is bitwise reproducible across runs and streams", "[gpu][op]") {
   const config c{{9, 10, 11}, 2, 4, 2, 128, dtype::bf16, layout::bshd};
   const problem p = to_problem(c);

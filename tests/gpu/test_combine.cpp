@@ -6,6 +6,7 @@
 
 #include <vsa/gpu/combine.hpp>
 #include <vsa/reference/combine.hpp>
+#include <vsa/reference/layout.hpp>
 
 #include <cmath>
 #include <string>
@@ -157,6 +158,60 @@ TEST_CASE("combine_backward matches the reference", "[gpu][combine]") {
       }
     }
   }
+}
+
+// d_o in raster order with its tiled copy asked for (the whole op's input_order): the copy bit for bit the reference's
+// tile() of d_o, and d_o_c and dgate bit for bit those of the same call on that tiled d_o; dgate in either order.
+TEST_CASE("combine_backward from raster order writes the tiled d_o", "[gpu][combine]") {
+  VSA_TEST_RNG(g, "combine-backward-raster");
+  for (const config& c : configs(g)) {
+    const problem p = to_problem(c);
+    const tile_geometry geo(p.grid);
+    const int64_t n = geo.num_tiles(), slots = geo.tiled_tokens(), tokens = geo.raster_tokens();
+    host_tensor d_o(c.type, c.batch, tokens, c.heads, c.head_dim, c.order),
+        tiled(c.type, c.batch, slots, c.heads, c.head_dim, c.order),
+        gate(c.type, c.batch, slots, c.heads, c.head_dim, c.order),
+        o_c(c.type, c.batch, n, c.heads, c.head_dim, layout::bhsd);
+    d_o.fill_normal(g);
+    gate.fill_normal(g);
+    o_c.fill_normal(g);
+    REQUIRE(reference::tile(p, c.heads, d_o.cview(), tiled.view()).is_ok());
+    const device_tensor dd_o(d_o), dtiled(tiled), d_gate(gate), d_o_c(o_c);
+    for (const bool gated : {true, false}) {
+      for (const token_order order : {token_order::tiled, token_order::raster}) {
+        INFO(describe(c) << (gated ? " gated" : " ungated") << " dgate " << static_cast<int>(order));
+        const int64_t s = order == token_order::raster ? tokens : slots;
+        const host_tensor dgate_shape(c.type, c.batch, s, c.heads, c.head_dim, c.order),
+            doc_shape(c.type, c.batch, n, c.heads, c.head_dim, layout::bhsd);
+        device_tensor want_dgate(dgate_shape, poisoned), want_doc(doc_shape, poisoned), dgate(dgate_shape, poisoned),
+            doc(doc_shape, poisoned), copy(tiled, poisoned);
+        const const_tensor gv = gated ? d_gate.cview() : const_tensor{};
+        REQUIRE(combine_backward(p, dtiled.cview(), gv, d_o_c.raw(), gated ? want_dgate.view() : tensor{},
+                                 want_doc.raw(), nullptr, order)
+                    .is_ok());
+        const status st = combine_backward(p, dd_o.cview(), gv, d_o_c.raw(), gated ? dgate.view() : tensor{}, doc.raw(),
+                                           nullptr, order, copy.view());
+        INFO(st.message());
+        REQUIRE(st.is_ok());
+        VSA_REQUIRE_RT(gpu_sync());
+        CHECK(copy.canaries_intact());
+        CHECK(copy.download().bytes == tiled.bytes);
+        CHECK(doc.download().bytes == want_doc.download().bytes);
+        if (gated) CHECK(dgate.download().bytes == want_dgate.download().bytes);
+      }
+    }
+  }
+  // A tiled d_o where the raster one belongs, and the copy over d_o itself.
+  const config c = configs(g)[0];
+  const problem p = to_problem(c);
+  const tile_geometry geo(p.grid);
+  host_tensor tiled(c.type, c.batch, geo.tiled_tokens(), c.heads, c.head_dim, c.order),
+      o_c(c.type, c.batch, geo.num_tiles(), c.heads, c.head_dim, layout::bhsd);
+  device_tensor dt(tiled), copy(tiled, poisoned), doc(o_c, poisoned);
+  const device_tensor dc(o_c);
+  CHECK(combine_backward(p, dt.cview(), {}, dc.raw(), tensor{}, doc.raw(), nullptr, token_order::tiled, copy.view())
+            .code() == errc::bad_tokens);
+  CHECK(copy.poisoned_elements() == copy.shape().elements());
 }
 
 TEST_CASE("combine and combine_backward reject bad arguments", "[gpu][combine]") {

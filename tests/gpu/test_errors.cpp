@@ -673,6 +673,8 @@ std::vector<bad_case> option_cases(int64_t n) {
       // o holds the tiled slots, which raster order does not take.
       {"output_order raster on tiled outputs", [](arguments& a) { a.opt.output_order = token_order::raster; },
        errc::bad_tokens, "o", true},
+      {"input_order not a token_order", [](arguments& a) { a.opt.input_order = static_cast<token_order>(7); },
+       errc::bad_argument, "input_order", true},
   };
 }
 
@@ -691,6 +693,9 @@ TEST_CASE("forward rejects bad arguments untouched", "[gpu][errors]") {
                {"o over q", [](arguments& a) { a.o.data = a.q.data; }, errc::aliased, "o", true},
                {"k inside o", [](arguments& a) { a.k.data = a.o.data; }, errc::aliased, "o", true},
                {"o over the workspace", [](arguments& a) { a.o.data = a.workspace; }, errc::aliased, "state", false},
+               // q holds the tiled slots, which raster order does not take.
+               {"input_order raster on tiled inputs", [](arguments& a) { a.opt.input_order = token_order::raster; },
+                errc::bad_tokens, "q", true},
            });
   std::vector<bad_case> kept; // a null gate is valid (g = 1)
   for (auto& c : all)
@@ -716,6 +721,17 @@ TEST_CASE("backward rejects bad arguments untouched", "[gpu][errors]") {
            tensor_cases("dgate", &arguments::dgate), pair, workspace_cases(),
            std::vector<bad_case>{
                {"dq over d_o", [](arguments& a) { a.dq.data = a.d_o.data; }, errc::aliased, "dq", true},
+               // d_o holds the tiled slots (the backward's q, k, v and gate are tiled either way). The workspace as
+               // the raster plan sizes it (d_o's tiled copy in the scratch), so that the tensors are what fails.
+               {"input_order raster on a tiled d_o",
+                [](arguments& a) {
+                  a.opt.input_order = token_order::raster;
+                  std::size_t need = 0;
+                  REQUIRE(backward(a.p, a.opt, backward_io{}, nullptr, need, nullptr).is_ok());
+                  REQUIRE(need <= std::size_t(8) << 20); // the workspace buffer's bytes
+                  a.workspace_bytes = need;
+                },
+                errc::bad_tokens, "d_o", true},
                {"dk over dv", [](arguments& a) { a.dk.data = a.dv.data; }, errc::aliased, "dk and dv", false},
                {"dgate over the gate", [](arguments& a) { a.dgate.data = a.gate.data; }, errc::aliased, "dgate", true},
                {"dv over the workspace", [](arguments& a) { a.dv.data = a.workspace; }, errc::aliased, "dv", false},

@@ -186,6 +186,85 @@ TEST_CASE("block means match the reference", "[gpu][means]") {
   }
 }
 
+// From raster order (block_means_tiling): the means bit for bit those of block_means on the reference's tiling of the
+// same tokens, and the tiled copies of q, k, v and the gate (copied only) bit for bit that tiling, padding slots zero.
+TEST_CASE("block means from raster order write the tiled copies", "[gpu][means]") {
+  VSA_TEST_RNG(g, "means-tiling");
+  for (const config& c : configs(g)) {
+    for (const bool gated : {true, false}) {
+      INFO(describe(c) << (gated ? " gated" : ""));
+      const problem p = to_problem(c);
+      const tile_geometry geo(p.grid);
+      const int64_t n = geo.num_tiles(), slots = geo.tiled_tokens(), tokens = geo.raster_tokens();
+      const int64_t heads[4] = {c.q_heads, c.kv_heads, c.kv_heads, c.q_heads}; // q, k, v, gate
+      std::vector<host_tensor> raster, tiled;
+      for (int t = 0; t < 4; ++t) {
+        raster.emplace_back(c.type, c.batch, tokens, heads[t], c.head_dim, c.order);
+        raster.back().fill_normal(g);
+        tiled.emplace_back(c.type, c.batch, slots, heads[t], c.head_dim, c.order);
+        REQUIRE(reference::tile(p, heads[t], raster.back().cview(), tiled.back().view()).is_ok());
+      }
+      const device_tensor rq(raster[0]), rk(raster[1]), rv(raster[2]), rg(raster[3]), tq(tiled[0]), tk(tiled[1]),
+          tv(tiled[2]);
+      const host_tensor means_q(c.type, c.batch, n, c.q_heads, c.head_dim, layout::bhsd),
+          means_kv(c.type, c.batch, n, c.kv_heads, c.head_dim, layout::bhsd);
+      device_tensor want_q(means_q, poisoned), want_k(means_kv, poisoned), want_v(means_kv, poisoned);
+      device_tensor q_c(means_q, poisoned), k_c(means_kv, poisoned), v_c(means_kv, poisoned);
+      device_tensor copies[4] = {device_tensor(tiled[0], poisoned), device_tensor(tiled[1], poisoned),
+                                 device_tensor(tiled[2], poisoned), device_tensor(tiled[3], poisoned)};
+      REQUIRE(block_means(p, tq.cview(), tk.cview(), tv.cview(), want_q.raw(), want_k.raw(), want_v.raw(), nullptr)
+                  .is_ok());
+      const tiled_inputs to{copies[0].view(), copies[1].view(), copies[2].view(), gated ? copies[3].view() : tensor{}};
+      const status st = block_means_tiling(p, rq.cview(), rk.cview(), rv.cview(), gated ? rg.cview() : const_tensor{},
+                                           to, q_c.raw(), k_c.raw(), v_c.raw(), nullptr, nullptr, nullptr);
+      INFO(st.message());
+      REQUIRE(st.is_ok());
+      VSA_REQUIRE_RT(gpu_sync());
+      CHECK(q_c.download().bytes == want_q.download().bytes);
+      CHECK(k_c.download().bytes == want_k.download().bytes);
+      CHECK(v_c.download().bytes == want_v.download().bytes);
+      for (int t = 0; t < (gated ? 4 : 3); ++t) {
+        INFO("copy " << t);
+        CHECK(copies[t].canaries_intact());
+        CHECK(copies[t].download().bytes == tiled[t].bytes);
+      }
+      if (!gated) CHECK(copies[3].poisoned_elements() == copies[3].shape().elements()); // no gate: nothing copied
+    }
+  }
+  // What it refuses: a tiled tensor where the raster one belongs, a missing copy, a copy of a gate not given, a copy
+  // over an input.
+  const problem p = make_problem({5, 6, 7}, 1, 2, 1, 128, dtype::bf16);
+  const tile_geometry geo(p.grid);
+  host_tensor rq(p.type, 1, geo.raster_tokens(), 2, 128), rkv(p.type, 1, geo.raster_tokens(), 1, 128),
+      tq(p.type, 1, geo.tiled_tokens(), 2, 128), tkv(p.type, 1, geo.tiled_tokens(), 1, 128);
+  const device_tensor dq(rq), dk(rkv), dv(rkv);
+  device_tensor cq(tq), ck(tkv), cv(tkv);
+  device_buffer out(1 << 16);
+  void* o = out.get();
+  const tiled_inputs to{cq.view(), ck.view(), cv.view(), {}};
+  CHECK(block_means_tiling(p, dq.cview(), dk.cview(), dv.cview(), {}, to, o, o, o, nullptr, nullptr, nullptr).code() ==
+        errc::aliased); // the three means in one buffer
+  device_buffer mq(1 << 14), mk(1 << 14), mv(1 << 14);
+  const auto call = [&](const_tensor q, const tiled_inputs& t, const_tensor gate = {}) {
+    return block_means_tiling(p, q, dk.cview(), dv.cview(), gate, t, mq.get(), mk.get(), mv.get(), nullptr, nullptr,
+                              nullptr)
+        .code();
+  };
+  CHECK(call(dq.cview(), to) == errc::ok);
+  CHECK(call(cq.cview(), to) == errc::bad_tokens);
+  tiled_inputs missing = to;
+  missing.v = {};
+  CHECK(call(dq.cview(), missing) == errc::null_pointer);
+  tiled_inputs stray = to;
+  stray.gate = cq.view();
+  CHECK(call(dq.cview(), stray) == errc::bad_argument);
+  tiled_inputs onto_input = to;
+  onto_input.k = tensor{const_cast<void*>(dk.cview().data), geo.tiled_tokens(), ck.view().batch_stride,
+                        ck.view().token_stride, ck.view().head_stride};
+  CHECK(call(dq.cview(), onto_input) != errc::ok);
+  VSA_REQUIRE_RT(gpu_sync());
+}
+
 TEST_CASE("block means reject bad arguments", "[gpu][means]") {
   const problem p = make_problem({5, 6, 7}, 1, 2, 1, 128, dtype::fp16);
   const tile_geometry geo(p.grid);

@@ -90,9 +90,11 @@ inline at::Tensor empty_like_layout(const at::Tensor& like, int64_t tokens, int6
 // raster_out: o and the gradients in raster order (options::output_order).
 inline vsa::options make_options(const vsa::problem& p, const at::Tensor& q, int64_t top_k, double sparsity,
                                  double scale, const c10::optional<at::Tensor>& q2k,
-                                 const c10::optional<at::Tensor>& q2k_count, const char* op, bool raster_out = false) {
+                                 const c10::optional<at::Tensor>& q2k_count, const char* op, bool raster_out = false,
+                                 bool raster_in = false) {
   vsa::options opt;
   opt.output_order = raster_out ? vsa::token_order::raster : vsa::token_order::tiled;
+  opt.input_order = raster_in ? vsa::token_order::raster : vsa::token_order::tiled;
   opt.top_k = top_k;
   opt.sparsity = sparsity;
   opt.scale = static_cast<float>(scale);

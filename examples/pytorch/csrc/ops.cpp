@@ -103,9 +103,14 @@ TORCH_LIBRARY(vsa, m) {
   m.def("forward(Tensor q, Tensor k, Tensor v, Tensor? gate, int[] grid, int top_k, float sparsity, float scale, "
         "Tensor? q2k, Tensor? q2k_count, bool return_selection, bool raster_out, int extra=0, bool extra_first=False) "
         "-> (Tensor, Tensor, Tensor, Tensor)");
+  // forward on raster q, k, v and gate (the library's input_order raster): also the tiled copies the op made of them,
+  // which backward takes as its q, k, v and gate, with d_o in raster order (raster_in).
+  m.def("forward_raster(Tensor q, Tensor k, Tensor v, Tensor? gate, int[] grid, int top_k, float sparsity, "
+        "float scale, Tensor? q2k, Tensor? q2k_count, bool return_selection, bool raster_out) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("backward(Tensor d_o, Tensor q, Tensor k, Tensor v, Tensor? gate, Tensor o, Tensor state, int[] grid, "
         "int top_k, float sparsity, float scale, Tensor? q2k, Tensor? q2k_count, bool raster_out, int extra=0, "
-        "bool extra_first=False) -> (Tensor, Tensor, Tensor, Tensor)");
+        "bool extra_first=False, bool raster_in=False) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("sparse_attention(Tensor q, Tensor k, Tensor v, Tensor q2k, Tensor q2k_count, int[] grid, float scale) -> "
         "(Tensor, Tensor)");
   m.def("sparse_attention_backward(Tensor d_o, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor q2k, "

@@ -16,6 +16,8 @@ namespace vsa_torch {
 using tensor_pair = std::tuple<at::Tensor, at::Tensor>;
 using tensor_triple = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 using tensor_quad = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using tensor_oct =
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 inline vsa::problem layout_problem(const at::Tensor& x, at::IntArrayRef grid, const char* op) {
   check_bshd(x, x, op, "x");
@@ -57,22 +59,23 @@ inline void check_state(const at::Tensor& state, const at::Tensor& q, std::size_
   }
 }
 
-// The whole op's forward on tiled tensors: o (in raster order when raster_out: the library's output_order), the
-// state its backward reads, and (return_selection) copies of the selected q2k lists [B, Hq, N, k] and counts
-// [B, Hq, N]; empty tensors otherwise. extra, extra_first: joint attention's extra tokens (the library's
-// extra_tokens), whose rows every tensor holds beside the video's.
+// The whole op's forward: o (in raster order when raster_out: the library's output_order), the state its backward
+// reads, and (return_selection) copies of the selected q2k lists [B, Hq, N, k] and counts [B, Hq, N]; empty tensors
+// otherwise. extra, extra_first: joint attention's extra tokens (the library's extra_tokens), whose rows every tensor
+// holds beside the video's. raster_in: q, k, v and the gate in raster order (the library's input_order), and then
+// also the tiled copies of them the op wrote (the gate's empty without one), which the backward takes.
 template <class Backend>
-tensor_quad forward_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                       const c10::optional<at::Tensor>& gate, at::IntArrayRef grid, int64_t top_k, double sparsity,
-                       double scale, const c10::optional<at::Tensor>& q2k, const c10::optional<at::Tensor>& q2k_count,
-                       bool return_selection, bool raster_out, int64_t extra, bool extra_first) {
-  const char* op = "forward";
+tensor_oct forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        const c10::optional<at::Tensor>& gate, at::IntArrayRef grid, int64_t top_k, double sparsity,
+                        double scale, const c10::optional<at::Tensor>& q2k, const c10::optional<at::Tensor>& q2k_count,
+                        bool return_selection, bool raster_out, int64_t extra, bool extra_first, bool raster_in,
+                        const char* op) {
   const vsa::problem p = make_problem(q, k, grid, op);
   check_bshd(v, q, op, "v");
   if (present(gate)) check_bshd(*gate, q, op, "gate");
   Backend be(q);
   check(vsa::check_problem(p, Backend::target), op);
-  const vsa::options opt = make_options(p, q, top_k, sparsity, scale, q2k, q2k_count, op, raster_out);
+  const vsa::options opt = make_options(p, q, top_k, sparsity, scale, q2k, q2k_count, op, raster_out, raster_in);
   const vsa::extra_tokens ex{extra, extra_first};
   vsa::op_buffers mem;
   check(be.forward(p, ex, opt, vsa::forward_io{}, mem), op);
@@ -81,7 +84,16 @@ tensor_quad forward_op(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   at::Tensor state = bytes_tensor(mem.state_bytes, q), scratch = bytes_tensor(mem.scratch_bytes, q);
   mem.state = state.data_ptr();
   mem.scratch = data_or_null(scratch);
-  check(be.forward(p, ex, opt, vsa::forward_io{in(q), in(k), in(v), in(gate), out(o)}, mem), op);
+  vsa::forward_io io{in(q), in(k), in(v), in(gate), out(o)};
+  at::Tensor tq = no_tensor(q, q.scalar_type()), tk = tq, tv = tq, tgate = tq;
+  if (raster_in) {
+    tq = empty_like_layout(q, geo.tiled_tokens(), p.q_heads);
+    tk = empty_like_layout(k, geo.tiled_tokens(), p.kv_heads);
+    tv = empty_like_layout(v, geo.tiled_tokens(), p.kv_heads);
+    if (present(gate)) tgate = empty_like_layout(*gate, geo.tiled_tokens(), p.q_heads);
+    io.tiled = {out(tq), out(tk), out(tv), present(gate) ? out(tgate) : vsa::tensor{}};
+  }
+  check(be.forward(p, ex, opt, io, mem), op);
   at::Tensor lists = no_tensor(q, at::kInt), counts = no_tensor(q, at::kInt);
   vsa::const_index_lists sel;
   if (return_selection) check(be.selected_lists(p, ex, opt, state.data_ptr(), sel), op);
@@ -91,17 +103,39 @@ tensor_quad forward_op(const at::Tensor& q, const at::Tensor& k, const at::Tenso
     lists = at::from_blob(const_cast<int32_t*>(sel.q2k), {p.batch, p.q_heads, n, sel.q2k_capacity}, int32).clone();
     counts = at::from_blob(const_cast<int32_t*>(sel.q2k_count), {p.batch, p.q_heads, n}, int32).clone();
   }
-  return {o, state, lists, counts};
+  return {o, state, lists, counts, tq, tk, tv, tgate};
+}
+
+// On tiled tensors: o, the state, the lists and counts.
+template <class Backend>
+tensor_quad forward_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const c10::optional<at::Tensor>& gate, at::IntArrayRef grid, int64_t top_k, double sparsity,
+                       double scale, const c10::optional<at::Tensor>& q2k, const c10::optional<at::Tensor>& q2k_count,
+                       bool return_selection, bool raster_out, int64_t extra, bool extra_first) {
+  const auto r = forward_impl<Backend>(q, k, v, gate, grid, top_k, sparsity, scale, q2k, q2k_count, return_selection,
+                                       raster_out, extra, extra_first, false, "forward");
+  return {std::get<0>(r), std::get<1>(r), std::get<2>(r), std::get<3>(r)};
+}
+
+// On raster tensors (the video-only op): those and the tiled q, k, v and gate.
+template <class Backend>
+tensor_oct forward_raster_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const c10::optional<at::Tensor>& gate, at::IntArrayRef grid, int64_t top_k,
+                             double sparsity, double scale, const c10::optional<at::Tensor>& q2k,
+                             const c10::optional<at::Tensor>& q2k_count, bool return_selection, bool raster_out) {
+  return forward_impl<Backend>(q, k, v, gate, grid, top_k, sparsity, scale, q2k, q2k_count, return_selection,
+                               raster_out, 0, false, true, "forward_raster");
 }
 
 // The whole op's backward: dq, dk, dv, and dgate (empty without a gate), from the forward's state; with raster_out,
-// o as the forward wrote it and the gradients in raster order.
+// o as the forward wrote it and the gradients in raster order; with raster_in, d_o in raster order (q, k, v and the
+// gate tiled: forward_raster's copies).
 template <class Backend>
 tensor_quad backward_op(const at::Tensor& d_o, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         const c10::optional<at::Tensor>& gate, const at::Tensor& o, const at::Tensor& state,
                         at::IntArrayRef grid, int64_t top_k, double sparsity, double scale,
                         const c10::optional<at::Tensor>& q2k, const c10::optional<at::Tensor>& q2k_count,
-                        bool raster_out, int64_t extra, bool extra_first) {
+                        bool raster_out, int64_t extra, bool extra_first, bool raster_in) {
   const char* op = "backward";
   const vsa::problem p = make_problem(q, k, grid, op);
   check_bshd(v, q, op, "v");
@@ -110,7 +144,7 @@ tensor_quad backward_op(const at::Tensor& d_o, const at::Tensor& q, const at::Te
   if (present(gate)) check_bshd(*gate, q, op, "gate");
   Backend be(q);
   check(vsa::check_problem(p, Backend::target), op);
-  const vsa::options opt = make_options(p, q, top_k, sparsity, scale, q2k, q2k_count, op, raster_out);
+  const vsa::options opt = make_options(p, q, top_k, sparsity, scale, q2k, q2k_count, op, raster_out, raster_in);
   const vsa::extra_tokens ex{extra, extra_first};
   vsa::op_buffers mem;
   check(be.backward(p, ex, opt, vsa::backward_io{}, mem), op);
@@ -213,6 +247,7 @@ template <class Backend> void register_kernels(torch::Library& m) {
   m.impl("tile", &layout_op<Backend, true>);
   m.impl("untile", &layout_op<Backend, false>);
   m.impl("forward", &forward_op<Backend>);
+  m.impl("forward_raster", &forward_raster_op<Backend>);
   m.impl("backward", &backward_op<Backend>);
   m.impl("sparse_attention", &sparse_forward_op<Backend>);
   m.impl("sparse_attention_backward", &sparse_backward_op<Backend>);

@@ -235,7 +235,7 @@ def test_rejected_arguments_raise_value_error_with_the_library_message():
     grid = (5, 6, 7)
     q, k, v, g = tiled_inputs(grid, 1, 2, 1, 8, seed=16)
     q, k, v, g = (x.detach() for x in (q, k, v, g))
-    with pytest.raises(ValueError, match="raster: holds 512 tokens, the grid needs 210"):
+    with pytest.raises(ValueError, match="q: holds 512 tokens, the grid needs 210"):
         vsa_torch.video_sparse_attention(q, k, v, grid)  # tiled tensors passed as raster
     with pytest.raises(ValueError, match="top_k"):
         vsa_torch.video_sparse_attention(q, k, v, grid, top_k=9, order="tiled")

@@ -3,6 +3,10 @@
 // of threads, summed in fp32, the groups' partial sums then added through shared memory. Padding slots
 // are never read. The grid walks the heads of a tile before the next tile, so that neighbouring blocks
 // read neighbouring memory in the [B, S, H, D] layout.
+//
+// From raster order (block_means_tiling), the same pass also writes the tiled copies the sparse kernels read:
+// it reads every token once anyway, so the tile pass that would otherwise precede it costs only its writes. The
+// gate rides along as a fourth tensor that is copied and not averaged.
 #pragma once
 
 #include "../geometry.hpp"
@@ -74,6 +78,30 @@ __device__ __forceinline__ means_source pick(const means_params& p, bool is_q, b
   return s;
 }
 
+// The mean of one tile's rows `raw` (loaded by this thread: rows group + r·groups, zeros past the valid count) into
+// src's means at (b, h, n). Every thread of the block calls it.
+template <class E, int D>
+__device__ __forceinline__ void store_tile_mean(const uint4 (&raw)[tile_row_layout<D>::rows_per_thread],
+                                                const means_source& src, float (*partial)[D], int64_t b, int64_t h,
+                                                int64_t n, int64_t tiles, int valid, int group, int vec) {
+  float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int r = 0; r < tile_row_layout<D>::rows_per_thread; ++r) {
+    float f[8];
+    unpack8<E>(raw[r], f);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) sum[e] += f[e];
+  }
+  const float total = sum_row_groups<D>(sum, partial, group, vec);
+  if (threadIdx.x < D) {
+    const int64_t at = ((b * src.heads + h) * tiles + n) * D + threadIdx.x;
+    const float mean = total / static_cast<float>(valid);
+    src.out[at] = E::from_float(mean);
+    if (src.out_f32 != nullptr) src.out_f32[at] = mean;
+  }
+  __syncthreads(); // partial is rewritten by the next item
+}
+
 // Tiles: where each tile's valid count comes from, tile_geometry (one grid) or packed_tiles (a packed batch's table).
 template <class E, int D, class Tiles> __global__ void __launch_bounds__(tile_row_threads)
     block_means_kernel(means_params p, Tiles geo) {
@@ -100,22 +128,35 @@ template <class E, int D, class Tiles> __global__ void __launch_bounds__(tile_ro
       const int row = group + r * L::groups;
       raw[r] = row < valid ? row0[row * src.x.token_stride] : make_uint4(0u, 0u, 0u, 0u);
     }
-    float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    store_tile_mean<E, D>(raw, src, partial, b, h, n, tiles, valid, group, vec);
+  }
+}
+
+// From raster order (block_means_tiling), one tensor a launch: a tile's valid tokens of one head read at their raster
+// rows, all 64 slots of its tiled copy written (padding zero, as tile() writes them), and the tile's mean where
+// src.out is set (the gate is copied only). One tensor a launch, not the three-way pick above: with the copies' views
+// beside the sources', that selection spilled scalar registers on CDNA (amd-isa-check).
+template <class E, int D> __global__ void __launch_bounds__(tile_row_threads)
+    block_means_tiling_kernel(means_source src, vector_view<uint4> tiled, tile_geometry geo, int64_t batch) {
+  using L = tile_row_layout<D>;
+  __shared__ __align__(16) float partial[L::groups][D];
+  const int64_t tiles = geo.num_tiles();
+  const int64_t items = batch * tiles * src.heads;
+  const int group = threadIdx.x / L::vectors, vec = threadIdx.x % L::vectors;
+
+  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
+    const int64_t h = item % src.heads, n = (item / src.heads) % tiles, b = item / src.heads / tiles;
+    const int valid = geo.valid(n);
+    const raster_rows tokens = geo.raster_rows_of(n);
+    uint4 raw[L::rows_per_thread];
 #pragma unroll
     for (int r = 0; r < L::rows_per_thread; ++r) {
-      float f[8];
-      unpack8<E>(raw[r], f);
+      const int row = group + r * L::groups;
+      raw[r] = row < valid ? src.x.row(b, tokens.token(row), h)[vec] : make_uint4(0u, 0u, 0u, 0u);
+    }
 #pragma unroll
-      for (int e = 0; e < 8; ++e) sum[e] += f[e];
-    }
-    const float total = sum_row_groups<D>(sum, partial, group, vec);
-    if (threadIdx.x < D) {
-      const int64_t at = ((b * src.heads + h) * tiles + n) * D + threadIdx.x;
-      const float mean = total / static_cast<float>(valid);
-      src.out[at] = E::from_float(mean);
-      if (src.out_f32 != nullptr) src.out_f32[at] = mean;
-    }
-    __syncthreads(); // partial is rewritten by the next item
+    for (int r = 0; r < L::rows_per_thread; ++r) tiled.row(b, n * tile_tokens + group + r * L::groups, h)[vec] = raw[r];
+    if (src.out != nullptr) store_tile_mean<E, D>(raw, src, partial, b, h, n, tiles, valid, group, vec);
   }
 }
 
@@ -141,6 +182,39 @@ template <class Tiles> status launch_block_means(const problem& p, const Tiles& 
   });
 }
 
+// block_means_tiling's launches, the arguments checked: q, k, v and the gate (when given) in turn.
+inline status launch_block_means_tiling(const problem& p, const_tensor q, const_tensor k, const_tensor v,
+                                        const_tensor gate, const tiled_inputs& tiled, void* q_c, void* k_c, void* v_c,
+                                        float* q_c_f32, float* k_c_f32, gpu::stream_t stream) {
+  namespace gd = gpu::detail;
+  const tile_geometry geo(p.grid);
+  const struct {
+    const_tensor x;
+    void* out;
+    float* out_f32;
+    int64_t heads;
+    tensor copy;
+  } parts[4] = {{q, q_c, q_c_f32, p.q_heads, tiled.q},
+                {k, k_c, k_c_f32, p.kv_heads, tiled.k},
+                {v, v_c, nullptr, p.kv_heads, tiled.v},
+                {gate, nullptr, nullptr, p.q_heads, tiled.gate}};
+  status s = status::ok();
+  for (const auto& part : parts) {
+    if (!s || part.x.data == nullptr) continue;
+    const gd::means_source src{gd::make_vector_view<const uint4>(part.x), static_cast<uint16_t*>(part.out),
+                               part.out_f32, part.heads};
+    const unsigned blocks = gd::grid_blocks(p.batch * geo.num_tiles() * part.heads);
+    s = gd::dispatch_element(p.type, [&](auto element) {
+      using E = decltype(element);
+      const auto kernel =
+          p.head_dim == 64 ? gd::block_means_tiling_kernel<E, 64> : gd::block_means_tiling_kernel<E, 128>;
+      return gpu::launch("block_means_tiling", kernel, blocks, gd::tile_row_threads, 0, stream, false, src,
+                         gd::make_vector_view<uint4>(part.copy), geo, p.batch);
+    });
+  }
+  return s;
+}
+
 } // namespace detail
 
 // q_c [B, Hq, N, D], k_c and v_c [B, Hkv, N, D], contiguous, in p.type: the mean of each tile's valid tokens
@@ -161,6 +235,25 @@ inline status block_means(const problem& p, const_tensor q, const_tensor k, cons
   if (s) s = check_means_disjoint(p, q, k, v, q_c, k_c, v_c, q_c_f32, k_c_f32);
   if (!s) return s;
   return detail::launch_block_means(p, geo, q, k, v, q_c, k_c, v_c, q_c_f32, k_c_f32, stream);
+}
+
+// block_means from raster order, fused with the tile pass its inputs would otherwise need: q [B, T·H·W, Hq, D], k
+// and v [B, T·H·W, Hkv, D] and the gate (like q, or data null) are read once, and besides the means (as above) the
+// call writes tiled.q, tiled.k, tiled.v and tiled.gate ([B, N·64, heads, D], what tile() makes of each: padding slots
+// zero). tiled.gate is given exactly when the gate is.
+inline status block_means_tiling(const problem& p, const_tensor q, const_tensor k, const_tensor v, const_tensor gate,
+                                 const tiled_inputs& tiled, void* q_c, void* k_c, void* v_c, float* q_c_f32,
+                                 float* k_c_f32, gpu::stream_t stream) {
+  status s = check_problem(p, target::gpu);
+  if (s) s = check_raster_inputs(p, q, k, v, gate, tiled, target::gpu);
+  if (s) s = check_pointer("q_c", q_c, 16);
+  if (s) s = check_pointer("k_c", k_c, 16);
+  if (s) s = check_pointer("v_c", v_c, 16);
+  if (s && q_c_f32 != nullptr) s = check_pointer("q_c_f32", q_c_f32, 16);
+  if (s && k_c_f32 != nullptr) s = check_pointer("k_c_f32", k_c_f32, 16);
+  if (s) s = check_means_disjoint(p, q, k, v, q_c, k_c, v_c, q_c_f32, k_c_f32, gate, &tiled);
+  if (!s) return s;
+  return detail::launch_block_means_tiling(p, q, k, v, gate, tiled, q_c, k_c, v_c, q_c_f32, k_c_f32, stream);
 }
 
 // The same without the fp32 means.

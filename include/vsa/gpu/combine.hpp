@@ -98,6 +98,8 @@ struct combine_backward_params {
   uint16_t* d_o_c;                    // [B, Hq, N, D]
   int64_t batch, heads;
   bool dgate_raster; // dgate in raster order: valid slots at their tokens, padding slots nowhere (one grid only)
+  // d_o in raster order (one grid only): its tiled copy goes here, padding slots zero, for the passes after this one.
+  vector_view<uint4> d_o_tiled; // data null: d_o is tiled
 };
 
 // Tiles: where each tile's valid count comes from, tile_geometry (one grid) or packed_tiles (a packed batch's table,
@@ -117,8 +119,10 @@ template <class E, int D, class Tiles> __global__ void __launch_bounds__(tile_ro
     const int valid = geo.valid(n);
     const int64_t first = n * tile_tokens;
     raster_rows tokens{};
+    bool raster_in = false;
     if constexpr (one_grid) {
-      if (p.dgate_raster) tokens = geo.raster_rows_of(n);
+      raster_in = p.d_o_tiled.data != nullptr;
+      if (p.dgate_raster || raster_in) tokens = geo.raster_rows_of(n);
     }
     float coarse[8];
     unpack8<E>(p.o_c[((b * p.heads + h) * tiles + n) * L::vectors + vec], coarse);
@@ -130,9 +134,13 @@ template <class E, int D, class Tiles> __global__ void __launch_bounds__(tile_ro
       grad[r] = make_uint4(0u, 0u, 0u, 0u);
       gate[r] = grad[r];
       if (row < valid) {
-        grad[r] = p.d_o.row(b, first + row, h)[vec];
+        grad[r] = p.d_o.row(b, raster_in ? tokens.token(row) : first + row, h)[vec];
         if (gated) gate[r] = p.gate.row(b, first + row, h)[vec];
       }
+    }
+    if (raster_in) {
+#pragma unroll
+      for (int r = 0; r < L::rows_per_thread; ++r) p.d_o_tiled.row(b, first + group + r * L::groups, h)[vec] = grad[r];
     }
     float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -180,11 +188,12 @@ inline status check_gate_pair(const const_tensor& gate, const void* dgate) {
 
 namespace detail {
 
-// The backward kernel over the tiles of `geo` (tile_geometry, or gpu::detail::packed_tiles with dgate_raster false),
-// the arguments checked.
+// The backward kernel over the tiles of `geo` (tile_geometry, or gpu::detail::packed_tiles with dgate_raster false and
+// no d_o_tiled), the arguments checked. d_o_tiled.data set: d_o is in raster order, and its tiled copy goes there.
 template <class Tiles> status launch_combine_backward(const problem& p, const Tiles& geo, const const_tensor& d_o,
                                                       const const_tensor& gate, const void* o_c, const tensor& dgate,
-                                                      void* d_o_c, bool dgate_raster, gpu::stream_t stream) {
+                                                      void* d_o_c, bool dgate_raster, gpu::stream_t stream,
+                                                      const tensor& d_o_tiled = {}) {
   namespace gd = gpu::detail;
   const gd::combine_backward_params bp{gd::make_vector_view<const uint4>(d_o),
                                        gd::make_vector_view<const uint4>(gate),
@@ -193,7 +202,8 @@ template <class Tiles> status launch_combine_backward(const problem& p, const Ti
                                        static_cast<uint16_t*>(d_o_c),
                                        p.batch,
                                        p.q_heads,
-                                       dgate_raster};
+                                       dgate_raster,
+                                       gd::make_vector_view<uint4>(d_o_tiled)};
   const unsigned blocks = gd::grid_blocks(p.batch * geo.num_tiles() * p.q_heads);
   return gd::dispatch_element(p.type, [&](auto element) {
     using E = decltype(element);
@@ -240,13 +250,17 @@ inline status combine(const problem& p, const_tensor o_s, const_tensor gate, con
 // Backward of combine for the gate and o_c: dgate = dO ⊙ o_c on valid slots (0 on padding), and
 // d_o_c [B, Hq, N, D] (p.type) = the sum over each tile's valid slots of g ⊙ dO, accumulated in fp32.
 // gate.data null means g = 1, and then dgate.data must be null too. dgate_order raster: dgate holds T·H·W
-// tokens, each valid slot's gradient at its token (the whole op's options::output_order).
+// tokens, each valid slot's gradient at its token (the whole op's options::output_order). d_o_tiled given: d_o
+// holds T·H·W tokens in raster order, and the call also writes its tiled copy there (N·64 slots, padding slots
+// zero: tile() of d_o, fused into this pass, which reads every row of d_o anyway).
 inline status combine_backward(const problem& p, const_tensor d_o, const_tensor gate, const void* o_c, tensor dgate,
-                               void* d_o_c, gpu::stream_t stream, token_order dgate_order = token_order::tiled) {
+                               void* d_o_c, gpu::stream_t stream, token_order dgate_order = token_order::tiled,
+                               tensor d_o_tiled = {}) {
   status s = check_problem(p, target::gpu);
   const tile_geometry geo(p.grid);
-  const bool raster = dgate_order == token_order::raster;
-  if (s) s = check_tensor("d_o", d_o, p, p.q_heads, geo.tiled_tokens(), target::gpu);
+  const bool raster = dgate_order == token_order::raster, raster_in = d_o_tiled.data != nullptr;
+  if (s) s = check_tensor("d_o", d_o, p, p.q_heads, raster_in ? geo.raster_tokens() : geo.tiled_tokens(), target::gpu);
+  if (s && raster_in) s = check_tensor("d_o_tiled", d_o_tiled, p, p.q_heads, geo.tiled_tokens(), target::gpu);
   if (s) s = gpu::detail::check_gate_pair(gate, dgate.data);
   if (s && gate.data != nullptr) s = check_tensor("gate", gate, p, p.q_heads, geo.tiled_tokens(), target::gpu);
   if (s) s = check_pointer("o_c", o_c, 16);
@@ -254,9 +268,9 @@ inline status combine_backward(const problem& p, const_tensor d_o, const_tensor 
     s = check_tensor("dgate", dgate, p, p.q_heads, raster ? geo.raster_tokens() : geo.tiled_tokens(), target::gpu);
   }
   if (s) s = check_pointer("d_o_c", d_o_c, 16);
-  if (s) s = check_combine_backward_disjoint(p, d_o, gate, o_c, dgate, d_o_c);
+  if (s) s = check_combine_backward_disjoint(p, d_o, gate, o_c, dgate, d_o_c, d_o_tiled);
   if (!s) return s;
-  return detail::launch_combine_backward(p, geo, d_o, gate, o_c, dgate, d_o_c, raster, stream);
+  return detail::launch_combine_backward(p, geo, d_o, gate, o_c, dgate, d_o_c, raster, stream, d_o_tiled);
 }
 
 } // namespace vsa

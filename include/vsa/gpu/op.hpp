@@ -24,6 +24,7 @@
 #include "detail/attention_glue.hpp"
 #include "index.hpp"
 #include "joint_attention.hpp"
+#include "layout.hpp"
 #include "select.hpp"
 
 namespace vsa {
@@ -46,9 +47,9 @@ struct op_workspace {
               k2q_offset = 0, lse = 0, o_residual = 0, o_c_residual = 0, state_bytes = 0;
   // forward scratch
   std::size_t scores = 0, select_scratch = 0, index_scratch = 0, forward_scratch_bytes = 0;
-  // backward scratch
+  // backward scratch (d_o_tiled: options::input_order raster, d_o's tiled copy)
   std::size_t d_o_c = 0, dq_c = 0, dk_c = 0, dv_c = 0, b_scores = 0, coarse_scratch = 0, sparse_scratch = 0,
-              backward_scratch_bytes = 0;
+              d_o_tiled = 0, backward_scratch_bytes = 0;
 
   template <class T = void> T* at(void* base, std::size_t off) const {
     return reinterpret_cast<T*>(static_cast<unsigned char*>(base) + off);
@@ -140,7 +141,10 @@ inline status plan_op(const problem& p, const extra_tokens& extra, const options
   w.index_scratch = take(index_bytes);
   w.forward_scratch_bytes = off;
 
+  // Scratch of the backward: d_o's tiled copy first (options::input_order raster), then the coarse pass's, then the
+  // sparse pass's, which runs on all that is left (its region is the last: a larger one may change its plan).
   off = 0;
+  if (opt.input_order == token_order::raster) w.d_o_tiled = take(bh * rows * d * e);
   if (w.coarse) {
     w.d_o_c = take(bh * n * d * e);
     w.dq_c = take(bh * n * d * sizeof(float));
@@ -210,13 +214,13 @@ template <class W> status check_gate(const problem& p, const W& w, const const_t
 
 namespace detail {
 
-// The backward's tensors (W: the op's or the packed op's plan): the inputs and d_o of `tokens` rows, o and the
-// gradients of `out_tokens` (options::output_order), the gate and its gradient.
+// The backward's tensors (W: the op's or the packed op's plan): the inputs of `tokens` rows, d_o of `d_o_tokens`
+// (options::input_order), o and the gradients of `out_tokens` (options::output_order), the gate and its gradient.
 template <class W> status check_backward_io(const problem& p, const W& w, float scale, const backward_io& io,
-                                            int64_t tokens, int64_t out_tokens) {
+                                            int64_t tokens, int64_t out_tokens, int64_t d_o_tokens) {
   status s = check_inputs(p, scale, io.q, io.k, io.v, tokens);
   if (s) s = check_tensor("o", io.o, p, p.q_heads, out_tokens, target::gpu);
-  if (s) s = check_tensor("d_o", io.d_o, p, p.q_heads, tokens, target::gpu);
+  if (s) s = check_tensor("d_o", io.d_o, p, p.q_heads, d_o_tokens, target::gpu);
   if (s) s = check_gradients(p, io.dq, io.dk, io.dv, out_tokens);
   if (s) s = check_gate(p, w, io.gate, tokens);
   if (s && io.dgate.data != nullptr && io.gate.data == nullptr)
@@ -234,14 +238,21 @@ template <class Ptr> basic_tensor<Ptr> video_rows(const basic_tensor<Ptr>& x, co
   return {data, x.tokens - e.count, x.batch_stride, x.token_stride, x.head_stride};
 }
 
-// The token count of o and the gradients: as options::output_order says, plus the extra tokens (only in tiled
-// order so far: the raster epilogues do not place the extra tokens).
-inline status op_output_tokens(const problem& p, const options& opt, const op_workspace& w, int64_t& tokens) {
-  if (w.extra.count > 0 && opt.output_order == token_order::raster)
-    return status::error(errc::unsupported, "output_order: raster is not offered with extra tokens yet");
-  const status s = output_tokens(p, opt, tokens);
+// The token count of o and the gradients (options::output_order), or of the inputs (options::input_order), plus the
+// extra tokens: raster order only without them so far (the raster epilogues and the fused tiling passes do not place
+// the extra tokens).
+inline status op_tokens(const problem& p, token_order order, const char* name, const op_workspace& w, int64_t& tokens) {
+  if (w.extra.count > 0 && order == token_order::raster)
+    return status::error(errc::unsupported, "%s: raster is not offered with extra tokens yet", name);
+  const status s = tokens_in_order(p, order, name, tokens);
   tokens += w.extra.count;
   return s;
+}
+inline status op_output_tokens(const problem& p, const options& opt, const op_workspace& w, int64_t& tokens) {
+  return op_tokens(p, opt.output_order, "output_order", w, tokens);
+}
+inline status op_input_tokens(const problem& p, const options& opt, const op_workspace& w, int64_t& tokens) {
+  return op_tokens(p, opt.input_order, "input_order", w, tokens);
 }
 
 // The forward on its plan (both forms of forward() below plan once). Joint: with extra tokens (w.extra), the
@@ -259,20 +270,23 @@ template <bool Joint = false> status forward_planned(const problem& p, const opt
   }
   void* const state = buffers.state;
   void* const scratch = buffers.scratch;
-  const int64_t tokens = w.rows;
   const float scale = detail::resolve_scale(p, opt);
-  int64_t out_tokens = 0;
+  const bool raster_in = opt.input_order == token_order::raster;
+  int64_t out_tokens = 0, in_tokens = 0;
   if (s) s = op_output_tokens(p, opt, w, out_tokens);
-  if (s) s = detail::check_inputs(p, scale, io.q, io.k, io.v, tokens);
+  if (s) s = op_input_tokens(p, opt, w, in_tokens);
+  if (s) s = detail::check_inputs(p, scale, io.q, io.k, io.v, in_tokens);
   if (s) s = check_tensor("o", io.o, p, p.q_heads, out_tokens, target::gpu);
-  if (s) s = detail::check_gate(p, w, io.gate, tokens);
+  if (s) s = detail::check_gate(p, w, io.gate, in_tokens);
+  if (s && raster_in) s = check_raster_inputs(p, io.q, io.k, io.v, io.gate, io.tiled, target::gpu);
   if (s && !w.coarse) s = detail::check_lists(p, opt.q2k, false);
   if (s) s = detail::check_buffers(buffers, w.state_bytes, w.forward_scratch_bytes);
   if (s) {
     s = check_forward_disjoint(p, io, state, w.state_bytes, scratch, w.forward_scratch_bytes,
-                               w.coarse ? const_index_lists{} : opt.q2k);
+                               w.coarse ? const_index_lists{} : opt.q2k, raster_in);
   }
   if (!s) return s;
+  const forward_io in = tiled_view(io, raster_in);
 
   index_lists idx{};
   idx.q2k_capacity = w.capacity;
@@ -286,7 +300,11 @@ template <bool Joint = false> status forward_planned(const problem& p, const opt
     float *qc32 = w.at<float>(state, w.q_c32), *kc32 = w.at<float>(state, w.k_c32);
     // The coarse branch and the selection see the video part only: extra keys never take one of the k slots.
     const auto video = [&](const const_tensor& x) { return video_rows(x, p, w.extra); };
-    s = block_means(p, video(io.q), video(io.k), video(io.v), qc, kc, vc, qc32, kc32, stream);
+    if (raster_in) { // (no extra tokens: op_input_tokens)
+      s = block_means_tiling(p, io.q, io.k, io.v, io.gate, io.tiled, qc, kc, vc, qc32, kc32, stream);
+    } else {
+      s = block_means(p, video(io.q), video(io.k), video(io.v), qc, kc, vc, qc32, kc32, stream);
+    }
     if (s) s = coarse_scores(p, scale, qc32, kc32, scores, stream);
     if (s)
       s = coarse_attention(p, scores, vc, w.at(state, w.o_c), w.at<int8_t>(state, w.o_c_residual),
@@ -296,6 +314,11 @@ template <bool Joint = false> status forward_planned(const problem& p, const opt
   } else {
     idx.q2k = const_cast<int32_t*>(opt.q2k.q2k);
     idx.q2k_count = const_cast<int32_t*>(opt.q2k.q2k_count);
+    if (raster_in) { // no pass of the op reads every token here: plain tile passes (there is no gate)
+      if (s) s = tile(p, p.q_heads, io.q, io.tiled.q, stream);
+      if (s) s = tile(p, p.kv_heads, io.k, io.tiled.k, stream);
+      if (s) s = tile(p, p.kv_heads, io.v, io.tiled.v, stream);
+    }
   }
   std::size_t index_bytes = w.forward_scratch_bytes - w.index_scratch;
   index_lists joint{}; // the joint lists: the video's with the extra tiles (joint_attention.hpp)
@@ -314,11 +337,11 @@ template <bool Joint = false> status forward_planned(const problem& p, const opt
   // The sparse pass with the combine epilogue (o_c and the gate, when the op selected the lists) and o's
   // rounding residual, which the backward reads.
   gpu::detail::forward_params fp =
-      detail::sparse_forward_params(p, scale, io.q, io.k, io.v, io.o, w.at<float>(state, w.lse));
+      detail::sparse_forward_params(p, scale, in.q, in.k, in.v, io.o, w.at<float>(state, w.lse));
   fp.raster_out = opt.output_order == token_order::raster;
   fp.o_residual = w.at<int8_t>(state, w.o_residual);
   fp.o_c = w.coarse ? w.at<const uint16_t>(state, w.o_c) : nullptr;
-  fp.gate = gpu::detail::make_operand(io.gate);
+  fp.gate = gpu::detail::make_operand(in.gate);
   if constexpr (Joint) {
     return run_joint_forward(p, w.extra, fp, joint_schedule_of(p, w.extra, joint.q2k, joint.q2k_count, nullptr, table),
                              w.at<float>(scratch, w.joint_parts), stream);
@@ -387,9 +410,10 @@ template <bool Joint = false> status backward_planned(const problem& p, const op
   void* const scratch = buffers.scratch;
   const int64_t tokens = w.rows;
   const float scale = detail::resolve_scale(p, opt);
-  int64_t out_tokens = 0;
+  int64_t out_tokens = 0, d_o_tokens = 0;
   if (s) s = op_output_tokens(p, opt, w, out_tokens);
-  if (s) s = check_backward_io(p, w, scale, io, tokens, out_tokens);
+  if (s) s = op_input_tokens(p, opt, w, d_o_tokens);
+  if (s) s = check_backward_io(p, w, scale, io, tokens, out_tokens, d_o_tokens);
   if (s && !w.coarse) s = detail::check_lists(p, opt.q2k, false);
   if (s) s = detail::check_buffers(buffers, w.state_bytes, w.backward_scratch_bytes);
   if (s) {
@@ -405,6 +429,12 @@ template <bool Joint = false> status backward_planned(const problem& p, const op
   idx.q2k = w.coarse ? w.at<const int32_t>(state, w.q2k) : opt.q2k.q2k;
   idx.q2k_count = w.coarse ? w.at<const int32_t>(state, w.q2k_count) : opt.q2k.q2k_count;
 
+  // d_o as the kernels read it: the caller's, or with options::input_order raster its tiled copy in the scratch,
+  // written by the combine's backward (which reads every row of d_o anyway) or, on the caller's lists, a tile pass.
+  const bool raster_in = opt.input_order == token_order::raster;
+  const tensor d_o_tiled =
+      raster_in ? bshd<void*>(w.at(scratch, w.d_o_tiled), p.batch, tokens, p.q_heads, p.head_dim) : tensor{};
+  const const_tensor d_o = raster_in ? as_const(d_o_tiled) : io.d_o;
   const uint16_t* o_c = nullptr;
   if (w.coarse) {
     void* d_o_c = w.at(scratch, w.d_o_c);
@@ -412,7 +442,7 @@ template <bool Joint = false> status backward_planned(const problem& p, const op
     float* scores = w.at<float>(scratch, w.b_scores); // formed again: N² floats are not worth keeping
     // The gate and the coarse term are the video rows'; an extra row of dgate is 0.
     s = combine_backward(p, video_rows(io.d_o, p, w.extra), video_rows(io.gate, p, w.extra), o_c,
-                         video_rows(io.dgate, p, w.extra), d_o_c, stream, opt.output_order);
+                         video_rows(io.dgate, p, w.extra), d_o_c, stream, opt.output_order, d_o_tiled);
     if constexpr (Joint) {
       if (s && io.dgate.data != nullptr)
         s = zero_token_rows(p, io.dgate, w.extra.extra_start(w.rows - w.extra.count), w.extra.count, p.q_heads, stream);
@@ -427,11 +457,13 @@ template <bool Joint = false> status backward_planned(const problem& p, const op
                                     w.at<float>(scratch, w.dv_c), w.at(scratch, w.coarse_scratch), coarse_bytes,
                                     stream);
     if (!s) return s;
+  } else if (raster_in) {
+    if (!(s = tile(p, p.q_heads, io.d_o, d_o_tiled, stream))) return s;
   }
 
   // The sparse pass's backward, dq, dk and dv adding the block-mean backward of the coarse gradients.
-  gpu::detail::backward_params bp = detail::sparse_backward_params(p, scale, io.q, io.k, io.v, io.d_o, io.dq, io.dk,
-                                                                   io.dv, w.at<const float>(state, w.lse));
+  gpu::detail::backward_params bp = detail::sparse_backward_params(p, scale, io.q, io.k, io.v, d_o, io.dq, io.dk, io.dv,
+                                                                   w.at<const float>(state, w.lse));
   const bool raster = opt.output_order == token_order::raster;
   bp.raster_out = raster;
   if (w.coarse) {
@@ -440,8 +472,8 @@ template <bool Joint = false> status backward_planned(const problem& p, const op
     bp.fold_v = w.at<const float>(scratch, w.dv_c);
   }
   // Its row terms are those of o_s = o − g ⊙ o_c, o as the forward computed it (o + its residual).
-  gpu::detail::delta_params dp = detail::delta_base(p, gpu::detail::make_operand(io.o),
-                                                    gpu::detail::make_operand(io.d_o), detail::q2k_schedule(p, idx));
+  gpu::detail::delta_params dp = detail::delta_base(p, gpu::detail::make_operand(io.o), gpu::detail::make_operand(d_o),
+                                                    detail::q2k_schedule(p, idx));
   dp.rows_total = w.rows;
   dp.o_raster = raster;
   dp.gate = gpu::detail::make_operand(io.gate);

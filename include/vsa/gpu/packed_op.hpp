@@ -57,6 +57,8 @@ inline status plan_packed_op(const packed_problem& pp, const options& opt, packe
   if (!s) return s;
   if (opt.output_order != token_order::tiled)
     return status::error(errc::unsupported, "output_order: a packed batch's outputs are in tiled order only");
+  if (opt.input_order != token_order::tiled)
+    return status::error(errc::unsupported, "input_order: a packed batch's inputs are in tiled order only");
   const problem& p = w.whole;
   w.tiles = packed_tiles(p);
   w.coarse = opt.q2k.q2k == nullptr;
@@ -230,7 +232,7 @@ template <class = void> status packed_backward_planned(const packed_problem& pp,
   void* const scratch = buffers.scratch;
   const int64_t tokens = w.tiles * gpu::tile_rows;
   const float scale = resolve_scale(p, opt);
-  status s = check_backward_io(p, w, scale, io, tokens, tokens);
+  status s = check_backward_io(p, w, scale, io, tokens, tokens, tokens);
   if (s && !w.coarse) s = check_lists(p, opt.q2k, false);
   if (s) s = check_buffers(buffers, w.state_bytes, w.backward_scratch_bytes);
   if (s) {
@@ -313,9 +315,9 @@ template <class Pass> status packed_in_one_workspace(const packed_problem& pp, c
 
 // The whole op's forward over a packed batch: o = o_s + g ⊙ o_c for every sample, each with its own coarse pass and
 // selection (k_s from its own tile count). q, gate and o are [1, N·64, Hq, D] views, k and v [1, N·64, Hkv, D], the
-// samples' tiled slots one after another (packed_problem); output_order must be tiled. Memory in two parts
-// (op_buffers; with buffers.state == nullptr only the sizes are set), as forward(). A template only so that the joint
-// kernels are instantiated where it is called.
+// samples' tiled slots one after another (packed_problem); output_order and input_order must be tiled. Memory in two
+// parts (op_buffers; with buffers.state == nullptr only the sizes are set), as forward(). A template only so that the
+// joint kernels are instantiated where it is called.
 template <class = void> status packed_forward(const packed_problem& pp, const options& opt, const forward_io& io,
                                               op_buffers& buffers, gpu::stream_t stream) {
   detail::packed_op_workspace w;

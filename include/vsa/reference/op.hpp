@@ -243,8 +243,18 @@ template <class Ptr> status check_output(const char* name, const basic_tensor<Pt
   return s ? check_joint_tensor(name, x, p, heads, tokens, extra, target::cpu) : s;
 }
 
+// options::input_order: a valid value, and raster only for the video-only op.
+inline status check_input_order(const problem& p, const extra_tokens& extra, const options& opt) {
+  int64_t tokens = 0;
+  const status s = input_tokens(p, opt, tokens);
+  if (s && extra.count > 0 && opt.input_order == token_order::raster)
+    return status::error(errc::unsupported, "input_order: raster is not offered with extra tokens yet");
+  return s;
+}
+
 // The forward, with the selection's lists taken from `chosen` when it is set (q2k rows of capacity top_k;
-// see forward_on_lists).
+// see forward_on_lists). With options::input_order raster the inputs are tiled into forward_io::tiled first, and
+// the passes read those copies, as on the GPU.
 inline status forward_impl(const problem& p, const extra_tokens& extra, const options& opt, const forward_io& io,
                            op_buffers& buffers, const const_index_lists* chosen) {
   detail::op_plan plan;
@@ -253,16 +263,30 @@ inline status forward_impl(const problem& p, const extra_tokens& extra, const op
   const detail::op_layout layout(p, extra, plan.coarse, plan.top_k);
   if (buffers.state == nullptr) return detail::size_query(layout, layout.forward_scratch, buffers);
   if (!(s = detail::check_op_options(p, opt, plan, io.gate))) return s;
-  if (!(s = detail::check_tiled("q", io.q, p, p.q_heads, extra))) return s;
-  if (!(s = detail::check_tiled("k", io.k, p, p.kv_heads, extra))) return s;
-  if (!(s = detail::check_tiled("v", io.v, p, p.kv_heads, extra))) return s;
+  if (!(s = detail::check_input_order(p, extra, opt))) return s;
+  const bool raster_in = opt.input_order == token_order::raster;
+  if (raster_in) {
+    if (!(s = check_raster_inputs(p, io.q, io.k, io.v, io.gate, io.tiled, target::cpu))) return s;
+  } else {
+    if (!(s = detail::check_tiled("q", io.q, p, p.q_heads, extra))) return s;
+    if (!(s = detail::check_tiled("k", io.k, p, p.kv_heads, extra))) return s;
+    if (!(s = detail::check_tiled("v", io.v, p, p.kv_heads, extra))) return s;
+    if (!(s = detail::check_gate(p, io.gate, nullptr, false, extra))) return s;
+  }
   if (!(s = detail::check_output("o", io.o, p, extra, opt, p.q_heads))) return s;
-  if (!(s = detail::check_gate(p, io.gate, nullptr, false, extra))) return s;
   if (!(s = detail::check_buffers(layout, buffers, layout.forward_scratch))) return s;
   const const_index_lists lists = chosen != nullptr ? *chosen : plan.coarse ? const_index_lists{} : opt.q2k;
   if (!(s = check_forward_disjoint(p, io, buffers.state, layout.state_bytes, buffers.scratch, layout.forward_scratch,
-                                   lists)))
+                                   lists, raster_in)))
     return s;
+  if (raster_in) {
+    const std::pair<const_tensor, tensor> copies[] = {
+        {io.q, io.tiled.q}, {io.k, io.tiled.k}, {io.v, io.tiled.v}, {io.gate, io.tiled.gate}};
+    const int64_t heads[] = {p.q_heads, p.kv_heads, p.kv_heads, p.q_heads};
+    for (int c = 0; c < 4; ++c)
+      if (copies[c].first.data != nullptr && !(s = tile(p, heads[c], copies[c].first, copies[c].second))) return s;
+  }
+  const forward_io in = vsa::detail::tiled_view(io, raster_in);
   return detail::guarded("forward", [&]() {
     void* const st = buffers.state;
     void* const sc = buffers.scratch;
@@ -274,14 +298,14 @@ inline status forward_impl(const problem& p, const extra_tokens& extra, const op
     double* k = detail::region<double>(sc, layout.f_k);
     double* v = detail::region<double>(sc, layout.f_v);
     double* o_s = detail::region<double>(st, layout.o_s);
-    detail::gather(p, p.q_heads, io.q, q);
-    detail::gather(p, p.kv_heads, io.k, k);
-    detail::gather(p, p.kv_heads, io.v, v);
+    detail::gather(p, p.q_heads, in.q, q);
+    detail::gather(p, p.kv_heads, in.k, k);
+    detail::gather(p, p.kv_heads, in.v, v);
     if (plan.coarse) {
       // The coarse branch and the selection see the video part only: extra keys never take a slot of the k.
-      const const_tensor qv = detail::token_range(io.q, video0, slots, p.type),
-                         kv = detail::token_range(io.k, video0, slots, p.type),
-                         vv = detail::token_range(io.v, video0, slots, p.type);
+      const const_tensor qv = detail::token_range(in.q, video0, slots, p.type),
+                         kv = detail::token_range(in.k, video0, slots, p.type),
+                         vv = detail::token_range(in.v, video0, slots, p.type);
       void* q_c = detail::region<void>(st, layout.q_c);
       void* k_c = detail::region<void>(st, layout.k_c);
       void* v_c = detail::region<void>(st, layout.v_c);
@@ -320,7 +344,7 @@ inline status forward_impl(const problem& p, const extra_tokens& extra, const op
     return detail::write_output(p, extra, p.q_heads, opt.output_order, io.o, extra_rows, [&](const tensor& o) {
       const const_tensor fine = detail::dense_tokens(p, p.q_heads, o_s, tokens, video0, slots);
       if (plan.coarse) {
-        const const_tensor gate = detail::token_range(io.gate, video0, slots, p.type);
+        const const_tensor gate = detail::token_range(in.gate, video0, slots, p.type);
         detail::combine_core(p, fine, gate, detail::region<void>(st, layout.o_c), o, dtype::f64);
       } else {
         detail::copy_rows(p, p.q_heads, fine, dtype::f64, o);
@@ -378,11 +402,18 @@ inline status backward_impl(const problem& p, const extra_tokens& extra, const o
   const detail::op_layout layout(p, extra, plan.coarse, plan.top_k);
   if (buffers.state == nullptr) return detail::size_query(layout, layout.backward_scratch, buffers);
   if (!(s = detail::check_op_options(p, opt, plan, io.gate))) return s;
+  if (!(s = detail::check_input_order(p, extra, opt))) return s;
+  const bool raster_in = opt.input_order == token_order::raster; // d_o in raster order; q, k, v and gate tiled
   if (!(s = detail::check_tiled("q", io.q, p, p.q_heads, extra))) return s;
   if (!(s = detail::check_tiled("k", io.k, p, p.kv_heads, extra))) return s;
   if (!(s = detail::check_tiled("v", io.v, p, p.kv_heads, extra))) return s;
   if (!(s = detail::check_output("o", io.o, p, extra, opt, p.q_heads))) return s;
-  if (!(s = detail::check_tiled("d_o", io.d_o, p, p.q_heads, extra))) return s;
+  if (raster_in) {
+    s = check_tensor("d_o", io.d_o, p, p.q_heads, tile_geometry(p.grid).raster_tokens(), target::cpu);
+  } else {
+    s = detail::check_tiled("d_o", io.d_o, p, p.q_heads, extra);
+  }
+  if (!s) return s;
   if (!(s = detail::check_output("dq", io.dq, p, extra, opt, p.q_heads))) return s;
   if (!(s = detail::check_output("dk", io.dk, p, extra, opt, p.kv_heads))) return s;
   if (!(s = detail::check_output("dv", io.dv, p, extra, opt, p.kv_heads))) return s;
@@ -410,12 +441,21 @@ inline status backward_impl(const problem& p, const extra_tokens& extra, const o
     detail::gather(p, p.q_heads, io.q, q);
     detail::gather(p, p.kv_heads, io.k, k);
     detail::gather(p, p.kv_heads, io.v, v);
-    detail::gather(p, p.q_heads, io.d_o, d_o);
+    // d_o in raster order is tiled first, as the GPU's combine backward does (the extra tokens: none, then).
+    std::vector<unsigned char> d_o_bytes(
+        raster_in ? static_cast<std::size_t>(p.batch * slots * p.q_heads * dim) * dtype_size(p.type) : 0);
+    const tensor d_o_tiled = bshd<void*>(d_o_bytes.data(), p.batch, slots, p.q_heads, dim);
+    if (raster_in) {
+      const status tiled = tile(p, p.q_heads, io.d_o, d_o_tiled);
+      if (!tiled) return tiled;
+    }
+    const const_tensor d_o_in = raster_in ? as_const(d_o_tiled) : io.d_o;
+    detail::gather(p, p.q_heads, d_o_in, d_o);
     detail::sparse_backward_core(p, plan.scale, q, k, v, o_s, d_o, detail::region<double>(st, layout.lse),
                                  detail::op_lists(plan, opt, layout, st), dq, dk, dv,
                                  detail::region<double>(sc, layout.b_delta), extra);
     if (plan.coarse) {
-      const const_tensor d_o_video = detail::token_range(io.d_o, video0, slots, p.type),
+      const const_tensor d_o_video = detail::token_range(d_o_in, video0, slots, p.type),
                          gate = detail::token_range(io.gate, video0, slots, p.type);
       const void* o_c = detail::region<void>(st, layout.o_c);
       double* d_o_c = detail::region<double>(sc, layout.b_doc);

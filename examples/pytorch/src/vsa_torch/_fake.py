@@ -50,9 +50,19 @@ def _forward(q, k, v, gate, grid, top_k, sparsity, scale, q2k, q2k_count, return
     return o, state, lists, counts
 
 
+@_register("forward_raster")
+def _forward_raster(q, k, v, gate, grid, top_k, sparsity, scale, q2k, q2k_count, return_selection, raster_out):
+    o, state, lists, counts = _forward(q, k, v, gate, grid, top_k, sparsity, scale, q2k, q2k_count,
+                                       return_selection, raster_out)
+    s = tiled_tokens(_grid(grid))
+    tgate = empty_like_layout(gate, s, q.shape[2]) if gate is not None else q.new_empty((0,))
+    return (o, state, lists, counts, empty_like_layout(q, s, q.shape[2]), empty_like_layout(k, s, k.shape[2]),
+            empty_like_layout(v, s, v.shape[2]), tgate)
+
+
 @_register("backward")
 def _backward(d_o, q, k, v, gate, o, state, grid, top_k, sparsity, scale, q2k, q2k_count, raster_out, extra=0,
-              extra_first=False):
+              extra_first=False, raster_in=False):
     s = (raster_tokens(_grid(grid)) if raster_out else tiled_tokens(_grid(grid))) + int(extra)
     dgate = empty_like_layout(gate, s, q.shape[2]) if gate is not None else q.new_empty((0,))
     return (empty_like_layout(q, s, q.shape[2]), empty_like_layout(k, s, k.shape[2]),

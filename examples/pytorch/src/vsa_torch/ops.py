@@ -42,20 +42,23 @@ def untile(x, grid, *, layout="bshd"):
 # ---- the whole op -----------------------------------------------------------------------------------------
 
 class _VideoSparseAttention(torch.autograd.Function):
-    """The whole op on [B, S, H, D] views. In raster order the inputs are tiled here, one pass each, and the op
-    writes o and the gradients in raster order itself (the library's output_order: no untile pass); the backward
-    tiles dO. keep_tiled: the backward reads the forward's tiled q, k, v and gate; otherwise the caller's raster
-    tensors are kept and tiled again (less memory by the tiles' padding, four more layout passes)."""
+    """The whole op on [B, S, H, D] views. In raster order the op takes the inputs as they are (the library's
+    input_order): its block means write the tiled q, k, v and gate as they read them, its combine backward the tiled
+    dO, and o and the gradients come out in raster order (output_order), so no layout pass runs of its own.
+    keep_tiled: the backward reads the forward's tiled q, k, v and gate; otherwise the caller's raster tensors are
+    kept and tiled again (less memory by the tiles' padding, four layout passes)."""
 
     @staticmethod
     def forward(ctx, q, k, v, gate, grid, top_k, sparsity, scale, raster, q2k, q2k_count, return_selection,
                 keep_tiled, extra, extra_first):
         inputs = (q, k, v, gate)
         if raster:
-            q, k, v = _ops.tile(q, grid), _ops.tile(k, grid), _ops.tile(v, grid)
-            gate = _ops.tile(gate, grid) if gate is not None else None
-        out, state, lists, counts = _ops.forward(q, k, v, gate, grid, top_k, sparsity, scale, q2k, q2k_count,
-                                                 return_selection, raster, extra, extra_first)
+            out, state, lists, counts, q, k, v, tiled_gate = _ops.forward_raster(
+                q, k, v, gate, grid, top_k, sparsity, scale, q2k, q2k_count, return_selection, True)
+            gate = tiled_gate if gate is not None else None
+        else:
+            out, state, lists, counts = _ops.forward(q, k, v, gate, grid, top_k, sparsity, scale, q2k, q2k_count,
+                                                     return_selection, False, extra, extra_first)
         retile = raster and not keep_tiled
         ctx.args = (grid, top_k, sparsity, scale, raster, gate is not None, retile, extra, extra_first)
         ctx.save_for_backward(*(inputs if retile else (q, k, v, gate)), out, state, q2k, q2k_count)
@@ -70,10 +73,8 @@ class _VideoSparseAttention(torch.autograd.Function):
             q, k, v = _ops.tile(q, grid), _ops.tile(k, grid), _ops.tile(v, grid)
             gate = _ops.tile(gate, grid) if gated else None
         d_o = head_contiguous(d_out)
-        if raster:
-            d_o = _ops.tile(d_o, grid)
         dq, dk, dv, dgate = _ops.backward(d_o, q, k, v, gate, out, state, grid, top_k, sparsity, scale, q2k,
-                                          q2k_count, raster, extra, extra_first)
+                                          q2k_count, raster, extra, extra_first, raster)
         if not gated:
             dgate = None
         return dq, dk, dv, dgate, None, None, None, None, None, None, None, None, None, None, None
