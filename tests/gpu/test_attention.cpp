@@ -347,6 +347,25 @@ TEST_CASE("coarse scores and coarse attention match the reference", "[gpu][coars
   }
 }
 
+// The op's forward, then its backward, on one poisoned workspace of the size the backward asks (which holds the
+// forward's too: the backward reads the state the forward left in it); every call's status and the device checked.
+void forward_then_backward(const problem& p, const options& opt, const forward_io& fio, const backward_io& bio) {
+  std::size_t fbytes = 0, bbytes = 0;
+  REQUIRE(forward(p, opt, fio, nullptr, fbytes, nullptr).is_ok());
+  REQUIRE(backward(p, opt, bio, nullptr, bbytes, nullptr).is_ok());
+  CHECK(bbytes >= fbytes);
+  device_buffer ws(bbytes);
+  ws.poison();
+  std::size_t bytes = bbytes;
+  const status sf = forward(p, opt, fio, ws.get(), bytes, nullptr);
+  INFO(sf.message());
+  REQUIRE(sf.is_ok());
+  const status sb = backward(p, opt, bio, ws.get(), bytes, nullptr);
+  INFO(sb.message());
+  REQUIRE(sb.is_ok());
+  VSA_REQUIRE_RT(gpu_sync());
+}
+
 // Adds the block-mean backward of a coarse gradient [B, H, N, D] (fp32) to a tiled gradient.
 void fold_means(const problem& p, const std::vector<float>& d_c, int64_t heads, host_tensor& grad) {
   const tile_geometry geo(p.grid);
@@ -584,18 +603,7 @@ TEST_CASE("the whole op in raster output order is the tiled op untiled", "[gpu][
         const forward_io fio{q_in.cview(), k_in.cview(), v_in.cview(), gate_view, o.view()};
         const backward_io bio{q_in.cview(),  k_in.cview(), v_in.cview(), gate_view, o.cview(),
                               do_in.cview(), dq.view(),    dk.view(),    dv.view(), gated ? dg.view() : tensor{}};
-        std::size_t fbytes = 0, bbytes = 0;
-        REQUIRE(forward(p, opt, fio, nullptr, fbytes, nullptr).is_ok());
-        REQUIRE(backward(p, opt, bio, nullptr, bbytes, nullptr).is_ok());
-        device_buffer ws(bbytes);
-        ws.poison();
-        const status sf = forward(p, opt, fio, ws.get(), bbytes, nullptr);
-        INFO(sf.message());
-        REQUIRE(sf.is_ok());
-        const status sb = backward(p, opt, bio, ws.get(), bbytes, nullptr);
-        INFO(sb.message());
-        REQUIRE(sb.is_ok());
-        VSA_REQUIRE_RT(gpu_sync());
+        forward_then_backward(p, opt, fio, bio);
       };
       run(token_order::tiled, o_t, dq_t, dk_t, dv_t, dg_t);
       run(token_order::raster, o_r, dq_r, dk_r, dv_r, dg_r);
@@ -676,29 +684,13 @@ TEST_CASE("the whole op in raster input order is the op on its inputs tiled", "[
       op_run want(out_q, out_kv, 16, 0), got(out_q, out_kv, 16, 0); // their own workspaces unused here
       device_tensor copies[4] = {device_tensor(tiled[0], poisoned), device_tensor(tiled[1], poisoned),
                                  device_tensor(tiled[2], poisoned), device_tensor(tiled[3], poisoned)};
-      const auto run = [&](const options& o, const forward_io& fio, const backward_io& bio) {
-        std::size_t fbytes = 0, bbytes = 0;
-        REQUIRE(forward(p, o, fio, nullptr, fbytes, nullptr).is_ok());
-        REQUIRE(backward(p, o, bio, nullptr, bbytes, nullptr).is_ok());
-        CHECK(bbytes >= fbytes);
-        device_buffer ws(bbytes);
-        ws.poison();
-        std::size_t bytes = bbytes;
-        const status sf = forward(p, o, fio, ws.get(), bytes, nullptr);
-        INFO(sf.message());
-        REQUIRE(sf.is_ok());
-        const status sb = backward(p, o, bio, ws.get(), bytes, nullptr);
-        INFO(sb.message());
-        REQUIRE(sb.is_ok());
-        VSA_REQUIRE_RT(gpu_sync());
-      };
       {
         const const_tensor gate = gated ? gate_t.cview() : const_tensor{};
         const forward_io fio{q_t.cview(), k_t.cview(), v_t.cview(), gate, want.o.view()};
         const backward_io bio{
             q_t.cview(),  k_t.cview(),    v_t.cview(),    gate,           want.o.cview(),
             do_t.cview(), want.dq.view(), want.dk.view(), want.dv.view(), gated ? want.dgate.view() : tensor{}};
-        run(opt, fio, bio);
+        forward_then_backward(p, opt, fio, bio);
       }
       {
         options raster_in = opt;
@@ -711,7 +703,7 @@ TEST_CASE("the whole op in raster input order is the op on its inputs tiled", "[
                               got.o.cview(),     do_r.cview(),
                               got.dq.view(),     got.dk.view(),
                               got.dv.view(),     gated ? got.dgate.view() : tensor{}};
-        run(raster_in, fio, bio);
+        forward_then_backward(p, raster_in, fio, bio);
       }
       for (int t = 0; t < (gated ? 4 : 3); ++t) {
         INFO("tiled copy " << t);
